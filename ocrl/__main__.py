@@ -1,0 +1,66 @@
+"""The command line: `python -m ocrl serve | simulate | bench`. Flags mirror config fields."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from ocrl import config as config_mod
+
+
+def run_async(fn, *args) -> None:
+    import anyio
+
+    try:
+        import uvloop  # noqa: F401
+
+        anyio.run(fn, *args, backend_options={"use_uvloop": True})
+    except ImportError:
+        anyio.run(fn, *args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is ever fetched from a model hub
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    parser = argparse.ArgumentParser(prog="ocrl", description="online RL of a language model from live conversations")
+    commands = parser.add_subparsers(dest="command")
+    serve = commands.add_parser("serve", help="serve the model and learn from its conversations (default)")
+    config_mod.add_flags(serve)
+    bench = commands.add_parser("bench", help="benchmarks, each a ratio against a baseline in the same run")
+    bench.add_argument("which", choices=["serve"], help="serve: proxy overhead and batching speed-up")
+    bench.add_argument("--repeats", type=int, default=5)
+    bench.add_argument("--max-tokens", type=int, default=32)
+    config_mod.add_flags(bench)
+    args = parser.parse_args(argv if argv is not None else (sys.argv[1:] or ["serve"]))
+    if args.command is None:
+        args = parser.parse_args(["serve", *(argv or sys.argv[1:])])
+    from ocrl.daemon import setup_logging
+
+    setup_logging()
+    try:
+        config = config_mod.load(args)
+    except (config_mod.ConfigError, OSError) as e:
+        print(f"ocrl: {e}", file=sys.stderr)
+        return 2
+    if args.command == "serve":
+        from ocrl.daemon import serve as serve_daemon
+
+        try:
+            run_async(serve_daemon, config)
+        except (config_mod.ConfigError, Exception) as e:
+            if isinstance(e, config_mod.ConfigError) or type(e).__name__ == "ModelError":
+                print(f"ocrl: {e}", file=sys.stderr)
+                return 2
+            raise
+        return 0
+    if args.command == "bench":
+        from ocrl import bench as bench_mod
+
+        run_async(bench_mod.run, args.which, config, args)
+        return 0
+    return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

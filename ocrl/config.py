@@ -1,0 +1,127 @@
+"""One configuration struct for the whole daemon, loaded as flags > env > TOML file > defaults.
+
+The struct is the single source of truth: the CLI builds one flag per field (`rollout_batch_size`
+-> `--rollout-batch-size`), the environment offers `OCRL_<FIELD>` (plus the reference
+implementation's names HOST, PORT, SGLANG_API_KEY, SERVED_MODEL_NAME), and a TOML file passed
+with `--config` is decoded into the same struct, unknown keys rejected. This module knows nothing
+about what the fields do.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tomllib
+from typing import Literal, get_args, get_origin, get_type_hints
+
+import msgspec
+
+
+class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    # serving
+    model: str = "embedded"  # embedded | a local HF dir | a .gguf file | an HF id already cached
+    served_model_name: str = ""  # defaults to the model's short name
+    host: str = "127.0.0.1"
+    port: int = 30000
+    api_key: str = ""
+    insecure_no_auth: bool = False
+    headless: bool = False
+    device: str = "auto"  # auto | cpu | cuda
+    dtype: str = "auto"  # auto (fp32 on CPU, bf16 on GPU) | float32 | bfloat16 | float16
+    max_batch_size: int = 8
+    max_body_bytes: int = 8 * 1024 * 1024
+    max_messages: int = 1024
+    max_queued_requests: int = 256
+    default_max_tokens: int = 512
+    request_timeout: float = 600.0
+    threads: int = 0  # torch CPU threads; 0 = torch's default
+    # sessions and samples
+    default_turn_type: Literal["main", "side"] = "main"
+    session_timeout: float = 1800.0
+    record_dir: str = ""  # default runs/<timestamp>/
+    no_record_text: bool = False
+    # judge
+    prm_mode: Literal["auto", "generate", "verdict", "embed"] = "auto"
+    prm_m: int = 3
+    prm_temperature: float = 0.6
+    prm_max_tokens: int = 512
+    prm_model: str = ""
+    prm_url: str = ""
+    prm_api_key: str = ""
+    prm_margin: float = 0.03
+    # training
+    no_train: bool = False
+    method: Literal["rl"] = "rl"
+    rollout_batch_size: int = 16
+    lr: float = 1e-5
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    eps_clip: float = 0.2
+    eps_clip_high: float = 0.28
+    kl_coef: float = 0.02
+    entropy_coef: float = 0.0
+    old_logprobs: Literal["recompute", "rollout"] = "recompute"
+    lora_rank: int = 16
+    lora_alpha: int = 32
+    full_finetune: bool = False
+    micro_batch_tokens: int = 4096
+    save_dir: str = ""  # default <record_dir>/checkpoints
+    save_interval: int = 50
+    resume: bool = False
+    seed: int = 0
+
+
+LEGACY_ENV = {"host": "HOST", "port": "PORT", "api_key": "SGLANG_API_KEY", "served_model_name": "SERVED_MODEL_NAME"}
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def _fields() -> dict[str, type]:
+    return {name: hint for name, hint in get_type_hints(Config).items() if name in Config.__struct_fields__}
+
+
+def add_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per field; defaults are None so that only flags the user typed override."""
+    parser.add_argument("--config", default=None, help="TOML file with any of the fields below")
+    for name, hint in _fields().items():
+        flag = "--" + name.replace("_", "-")
+        default = getattr(Config(), name)
+        if hint is bool:
+            parser.add_argument(flag, action="store_true", default=None, help=f"(default {default})")
+            continue
+        kwargs: dict = {"default": None, "help": f"(default {default!r})"}
+        if get_origin(hint) is Literal:
+            kwargs["choices"] = list(get_args(hint))
+        elif hint in (int, float):
+            kwargs["type"] = hint
+        parser.add_argument(flag, **kwargs)
+
+
+def _env_overrides(environ: dict[str, str]) -> dict[str, str]:
+    found = {}
+    for name in _fields():
+        for var in ("OCRL_" + name.upper(), LEGACY_ENV.get(name)):
+            if var and environ.get(var):
+                found[name] = environ[var]
+                break
+    return found
+
+
+def load(args: argparse.Namespace | None = None, environ: dict[str, str] | None = None) -> Config:
+    """defaults < TOML file < environment < flags, validated by one decode."""
+    environ = dict(os.environ) if environ is None else environ
+    merged: dict = {}
+    path = getattr(args, "config", None) if args is not None else None
+    if path:
+        with open(path, "rb") as f:
+            merged.update(tomllib.load(f))
+    merged.update(_env_overrides(environ))
+    if args is not None:
+        merged.update({k: v for k, v in vars(args).items() if k in Config.__struct_fields__ and v is not None})
+    try:
+        # strict=False lets "30000" from the environment become an int, "1" a bool.
+        return msgspec.convert(merged, Config, strict=False)
+    except msgspec.ValidationError as e:
+        raise ConfigError(f"invalid configuration: {e}") from None

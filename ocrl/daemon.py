@@ -1,0 +1,262 @@
+"""Composes the parts in one event loop under one anyio task group: the engine's scheduler, the
+HTTP server, the judging of closed turns, idle-session expiry and (when training) the trainer.
+
+Data flows one way: api -> engine -> sessions -> judge -> sessions -> journal -> queue -> trainer
+-> engine.update_weights. This module owns start-up and shutdown order and nothing else: on
+SIGINT/SIGTERM it stops accepting, lets in-flight completions and votes finish (bounded), flushes
+the records, checkpoints, and returns.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import logging
+import math
+import signal
+import sys
+import time
+from pathlib import Path
+
+import anyio
+import msgspec
+
+from ocrl import chat, models, records as records_mod
+from ocrl.api import Api
+from ocrl.config import Config, ConfigError
+from ocrl.engine.hf import HFEngine
+from ocrl.events import Events
+from ocrl.sessions import Sessions
+from ocrl.types import SamplingParams
+
+log = logging.getLogger("ocrl")
+
+
+def setup_logging(level: int = logging.INFO) -> None:
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr, force=True)
+    for noisy in ("httpx", "uvicorn.access"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def is_loopback(host: str) -> bool:
+    if host in ("localhost", ""):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_access(config: Config) -> None:
+    if not config.api_key and not is_loopback(config.host) and not config.insecure_no_auth:
+        raise ConfigError(
+            f"refusing to listen on {config.host} without an API key: set --api-key (or OCRL_API_KEY), "
+            "or pass --insecure-no-auth to accept anyone who can reach this port"
+        )
+
+
+class RemoteCompleter:
+    """A judge endpoint: any OpenAI-compatible /chat/completions."""
+
+    def __init__(self, url: str, api_key: str, model: str):
+        import httpx
+
+        self.url = url.rstrip("/") + ("/chat/completions" if not url.rstrip("/").endswith("/chat/completions") else "")
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.model = model
+        self.client = httpx.AsyncClient(timeout=300)
+
+    async def __call__(self, messages, temperature, max_tokens, seed):
+        body = {"model": self.model, "messages": messages, "temperature": temperature, "max_tokens": max_tokens}
+        if seed is not None:
+            body["seed"] = seed
+        reply = await self.client.post(self.url, json=body, headers=self.headers)
+        reply.raise_for_status()
+        return reply.json()["choices"][0]["message"]["content"] or ""
+
+
+class EngineCompleter:
+    """A judge that samples from an engine of ours (the policy's base weights by default)."""
+
+    def __init__(self, engine, tokenizer):
+        self.engine, self.tokenizer = engine, tokenizer
+
+    async def __call__(self, messages, temperature, max_tokens, seed):
+        ids = chat.prompt_ids(self.tokenizer, chat.normalise(messages))
+        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed)
+        return (await self.engine.generate(ids, params)).text
+
+    async def verdict_probs(self, messages) -> dict[int, float]:
+        from ocrl.prm import verdict_probs_from_logprobs
+
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, continue_final_message=True)
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        first = await self.engine.next_token_logprobs(ids)
+        candidates = {s: self.tokenizer.encode(s, add_special_tokens=False) for s in ("1", "-", "0", "+")}
+        firsts = {s: float(first[t[0]]) for s, t in candidates.items() if len(t) == 1}
+        minus, one = candidates["-"], candidates["1"]
+        after_minus = await self.engine.next_token_logprobs(ids + minus)
+        return verdict_probs_from_logprobs(firsts, float(after_minus[one[0]]))
+
+
+class Daemon:
+    def __init__(self, config: Config):
+        self.config = config
+        self.events = Events()
+        self.server = None
+        self.trainer = None
+        self.judge_engine = None
+        self.started = time.time()
+
+    # 1. build: model, engine, records, judge, sessions, api (trainer when training)
+    async def build(self) -> None:
+        config = self.config
+        if config.threads:
+            import torch
+
+            torch.set_num_threads(config.threads)
+        loaded = await anyio.to_thread.run_sync(lambda: models.load(config.model, device=config.device, dtype=config.dtype))
+        self.loaded = loaded
+        self.engine = HFEngine(loaded, max_batch_size=config.max_batch_size, max_queued=config.max_queued_requests)
+        run_dir = Path(config.record_dir) if config.record_dir else None
+        if run_dir is None and config.resume:
+            run_dir = records_mod.newest_run_dir()
+        self.run_dir = run_dir or records_mod.new_run_dir()
+        self.records = records_mod.Records(self.run_dir, record_text=not config.no_record_text)
+        self.judge = await self._build_judge(loaded)
+        self.samples_send, self.samples_receive = anyio.create_memory_object_stream(math.inf)
+        self.queued = 0
+        self.sessions = Sessions(
+            judge=self.judge.judge,
+            submit=self.submit,
+            records=self.records,
+            events=self.events,
+            default_turn_type=config.default_turn_type,
+            timeout=config.session_timeout,
+            parse_response=lambda text: chat.parse_completion(text, True)[:2],
+        )
+        self.api = Api(config, self.engine, loaded.tokenizer, self.sessions, stats=self.stats, events=self.events)
+        self._requeue_backlog()
+
+    async def _build_judge(self, loaded):
+        from ocrl import prm
+
+        config = self.config
+        mode = config.prm_mode
+        if mode == "auto":
+            mode = "generate" if (config.prm_url or self.engine.device.type == "cuda") else "embed"
+        if mode == "embed":
+            log.info("judge: embed (all-MiniLM-L6-v2 classifier of the next state, margin %.2f)", config.prm_margin)
+            return await anyio.to_thread.run_sync(lambda: prm.EmbedJudge.load(margin=config.prm_margin))
+        if config.prm_url:
+            completer = RemoteCompleter(config.prm_url, config.prm_api_key, config.prm_model or "default")
+        else:
+            # The judge reads the policy's base weights, never the trained ones: while training,
+            # it gets its own frozen copy (or --prm-model).
+            if config.prm_model or not config.no_train:
+                judge_loaded = await anyio.to_thread.run_sync(
+                    lambda: models.load(config.prm_model or config.model, device=config.device, dtype=config.dtype)
+                )
+                self.judge_engine = HFEngine(judge_loaded, max_batch_size=config.max_batch_size)
+                completer = EngineCompleter(self.judge_engine, judge_loaded.tokenizer)
+            else:
+                completer = EngineCompleter(self.engine, loaded.tokenizer)
+        log.info("judge: %s, m=%d", mode, config.prm_m)
+        if mode == "verdict":
+            return prm.VerdictJudge(completer.verdict_probs, m=config.prm_m, seed=config.seed)
+        return prm.GenerateJudge(completer, m=config.prm_m, temperature=config.prm_temperature, max_tokens=config.prm_max_tokens)
+
+    # 2. samples: journaled durably, then queued for the trainer (or excluded by rule)
+    def submit(self, sample) -> None:
+        self.records.sample(sample)
+        self.records.journal(sample)
+        if not sample.effective:
+            self.records.consumed([sample.sample_id])  # mask 0: excluded by rule, nothing to train
+        elif self.trainer is not None:
+            self.samples_send.send_nowait(sample)
+            self.queued += 1
+
+    def _requeue_backlog(self) -> None:
+        backlog = self.records.backlog()
+        self.backlog_at_start = len(backlog)
+        if backlog:
+            log.info("journal: %d samples collected earlier and not yet trained on", len(backlog))
+        if self.trainer is not None:
+            for sample in backlog:
+                self.samples_send.send_nowait(sample)
+                self.queued += 1
+
+    def stats(self) -> dict:
+        return {
+            "model": self.api.served_name,
+            "weights_version": self.engine.weights_version,
+            "uptime_s": round(time.time() - self.started, 1),
+            "run_dir": str(self.run_dir),
+            "engine": {
+                "queue_depth": self.engine.queue_depth,
+                "active": self.engine.active,
+                "generated_tokens": self.engine.generated_tokens,
+            },
+            "sessions": self.sessions.stats(),
+            "samples": {
+                "queued": self.samples_send.statistics().current_buffer_used,
+                "journal_backlog_at_start": self.backlog_at_start,
+            },
+            "training": self.trainer.stats() if self.trainer is not None else {"enabled": False},
+        }
+
+    # 3. serve until a signal, then shut down in order
+    async def serve(self, *, task_status=anyio.TASK_STATUS_IGNORED) -> None:
+        import uvicorn
+
+        class Server(uvicorn.Server):
+            @contextlib.contextmanager
+            def capture_signals(self):  # the daemon owns signals, not uvicorn
+                yield
+
+        config = self.config
+        self.server = Server(
+            uvicorn.Config(
+                self.api, host=config.host, port=config.port, log_level="warning", access_log=False,
+                lifespan="off", timeout_graceful_shutdown=30,
+            )
+        )
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self.engine.run)
+            if self.judge_engine is not None:
+                tg.start_soon(self.judge_engine.run)
+            tg.start_soon(self.sessions.run)
+            tg.start_soon(self.sessions.expire_idle)
+            tg.start_soon(self._watch_signals)
+            if self.trainer is not None:
+                tg.start_soon(self.trainer.run, self.samples_receive)
+            tg.start_soon(self._announce, task_status)
+            await self.server.serve()
+            log.info("shutting down: waiting for votes in flight")
+            await self.sessions.drain(timeout=60)
+            if self.trainer is not None:
+                await self.trainer.shutdown()
+            tg.cancel_scope.cancel()
+        self.records.close()
+        log.info("stopped")
+
+    async def _announce(self, task_status) -> None:
+        while not self.server.started:
+            await anyio.sleep(0.05)
+        url = f"http://{self.config.host}:{self.config.port}/v1"
+        log.info("serving %s at %s (run dir %s)", self.api.served_name, url, self.run_dir)
+        task_status.started(url)
+
+    async def _watch_signals(self) -> None:
+        with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            async for signum in signals:
+                log.info("%s: stopping (in-flight requests finish first)", signal.Signals(signum).name)
+                self.server.should_exit = True
+                return
+
+
+async def serve(config: Config) -> None:
+    check_access(config)
+    daemon = Daemon(config)
+    await daemon.build()
+    await daemon.serve()

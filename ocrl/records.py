@@ -1,0 +1,129 @@
+"""The run directory: JSONL records of turns, verdicts, samples and metrics, and the sample journal.
+
+The journal is what makes samples survive a crash: a sample is appended and fsynced to
+`journal.jsonl` before it is queued, and its id is appended to `consumed.jsonl` once a training
+step has used it. On restart, journaled minus consumed is the backlog to re-queue. Files are
+created mode 0600: they hold people's conversations. This module knows nothing of how samples
+are made or trained on.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+
+import msgspec
+
+from ocrl.types import Sample
+
+log = logging.getLogger("ocrl.records")
+
+_encoder = msgspec.json.Encoder()
+_sample_decoder = msgspec.json.Decoder(Sample)
+
+
+def new_run_dir(root: str = "runs") -> Path:
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    path = Path(root) / stamp
+    n = 1
+    while path.exists():
+        n += 1
+        path = Path(root) / f"{stamp}-{n}"
+    return path
+
+
+def newest_run_dir(root: str = "runs") -> Path | None:
+    runs = sorted((p for p in Path(root).glob("*") if (p / "journal.jsonl").exists()), key=lambda p: p.stat().st_mtime)
+    return runs[-1] if runs else None
+
+
+class _Appender:
+    def __init__(self, path: Path, durable: bool = False):
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        self.file = os.fdopen(fd, "ab", buffering=0)
+        self.durable = durable
+
+    def write(self, obj) -> None:
+        self.file.write(_encoder.encode(obj) + b"\n")
+        if self.durable:
+            os.fsync(self.file.fileno())
+
+    def close(self) -> None:
+        self.file.close()
+
+
+class Records:
+    def __init__(self, directory: Path, *, record_text: bool = True):
+        self.dir = Path(directory)
+        self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.record_text = record_text
+        self.turns = _Appender(self.dir / "turns.jsonl")
+        self.verdicts = _Appender(self.dir / "verdicts.jsonl")
+        self.samples = _Appender(self.dir / "samples.jsonl")
+        self.metrics = _Appender(self.dir / "metrics.jsonl")
+        self._journal = _Appender(self.dir / "journal.jsonl", durable=True)
+        self._consumed = _Appender(self.dir / "consumed.jsonl", durable=True)
+
+    def backlog(self) -> list[Sample]:
+        """Samples journaled by an earlier process and not yet trained on, in journal order."""
+        consumed = set()
+        path = self.dir / "consumed.jsonl"
+        if path.exists():
+            consumed = {line.strip().strip(b'"').decode() for line in path.read_bytes().splitlines() if line.strip()}
+        seen, out = set(), []
+        path = self.dir / "journal.jsonl"
+        for line in path.read_bytes().splitlines() if path.exists() else []:
+            try:
+                sample = _sample_decoder.decode(line)
+            except msgspec.DecodeError:
+                log.warning("skipping a torn journal line (the process died while writing it)")
+                continue
+            if sample.sample_id not in consumed and sample.sample_id not in seen:
+                seen.add(sample.sample_id)
+                out.append(sample)
+        return out
+
+    def journal_ids(self) -> set[str]:
+        path = self.dir / "journal.jsonl"
+        ids = set()
+        for line in path.read_bytes().splitlines() if path.exists() else []:
+            try:
+                ids.add(_sample_decoder.decode(line).sample_id)
+            except msgspec.DecodeError:
+                continue
+        return ids
+
+    def journal(self, sample: Sample) -> None:
+        self._journal.write(sample)
+
+    def consumed(self, sample_ids: list[str]) -> None:
+        for sample_id in sample_ids:
+            self._consumed.write(sample_id)
+
+    def _text(self, obj: dict, *keys: str) -> dict:
+        if not self.record_text:
+            for key in keys:
+                if key in obj:
+                    obj[key] = None
+        return obj
+
+    def turn(self, turn) -> None:
+        self.turns.write(self._text(msgspec.to_builtins(turn), "messages", "response_text"))
+
+    def verdict(self, session_id: str, index: int, verdict, next_state: str | None, role: str | None) -> None:
+        row = {"session_id": session_id, "turn_index": index, "role": role, "next_state": next_state, **msgspec.to_builtins(verdict)}
+        if not self.record_text:
+            row["next_state"] = None
+        self.verdicts.write(row)
+
+    def sample(self, sample: Sample) -> None:
+        self.samples.write(self._text(msgspec.to_builtins(sample), "next_state"))
+
+    def metric(self, row: dict) -> None:
+        self.metrics.write(row)
+
+    def close(self) -> None:
+        for appender in (self.turns, self.verdicts, self.samples, self.metrics, self._journal, self._consumed):
+            appender.close()

