@@ -119,6 +119,8 @@ def decode_request(body: bytes) -> ChatRequest:
     if request.n != 1:
         raise ApiError(400, "only n=1 is supported", param="n")
     for i, message in enumerate(request.messages):
+        if message.content is None and not (message.role == "assistant" and message.tool_calls):
+            raise ApiError(400, f"messages[{i}] ({message.role}) needs `content`", param=f"messages[{i}].content")
         for part in message.content if isinstance(message.content, list) else ():
             if part.type != "text" or part.text is None:
                 raise ApiError(400, f"unsupported content part of type {part.type!r}: only text parts", param=f"messages[{i}].content")

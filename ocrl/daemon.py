@@ -135,6 +135,15 @@ class Daemon:
             timeout=config.session_timeout,
             parse_response=lambda text: chat.parse_completion(text, True)[:2],
         )
+        if not config.no_train:
+            from ocrl.train.trainer import Trainer
+
+            self.trainer = await anyio.to_thread.run_sync(
+                lambda: Trainer(config, loaded.model, engine=self.engine, records=self.records, events=self.events)
+            )
+            if config.resume:
+                restored = self.trainer.load_latest()
+                log.info("resumed from %s", restored) if restored else log.info("--resume: no checkpoint yet")
         self.api = Api(config, self.engine, loaded.tokenizer, self.sessions, stats=self.stats, events=self.events)
         self._requeue_backlog()
 
@@ -202,7 +211,21 @@ class Daemon:
                 "queued": self.samples_send.statistics().current_buffer_used,
                 "journal_backlog_at_start": self.backlog_at_start,
             },
-            "training": self.trainer.stats() if self.trainer is not None else {"enabled": False},
+            "training": self._training_stats(),
+        }
+
+    def _training_stats(self) -> dict:
+        trainer = self.trainer
+        if trainer is None:
+            return {"enabled": False}
+        return {
+            "enabled": True,
+            "paused": trainer.paused,
+            "steps": trainer.steps,
+            "pending": trainer.pending,
+            "batch_size": self.config.rollout_batch_size,
+            "consumed_samples": trainer.consumed_samples,
+            "last": trainer.last_metrics,
         }
 
     # 3. serve until a signal, then shut down in order
@@ -234,9 +257,7 @@ class Daemon:
             await self.server.serve()
             log.info("shutting down: waiting for votes in flight")
             await self.sessions.drain(timeout=60)
-            if self.trainer is not None:
-                await self.trainer.shutdown()
-            tg.cancel_scope.cancel()
+            tg.cancel_scope.cancel()  # the trainer finishes its step and checkpoints on the way out
         self.records.close()
         log.info("stopped")
 

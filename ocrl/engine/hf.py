@@ -251,7 +251,7 @@ class HFEngine:
             input_ids=ids.to(self.device),
             attention_mask=mask.to(self.device),
             position_ids=positions.to(self.device),
-            past_key_values=cache,
+            cache=cache,
             use_cache=True,
             logits_to_keep=1,
         )
@@ -270,7 +270,7 @@ class HFEngine:
             input_ids=torch.tensor(tokens).unsqueeze(1).to(self.device),
             attention_mask=mask.to(self.device),
             position_ids=positions.to(self.device),
-            past_key_values=state["cache"],
+            cache=state["cache"],
             use_cache=True,
         )
         state.update(mask=mask, next_position=state["next_position"] + 1, logits=out.logits[:, -1])

@@ -1,0 +1,600 @@
+"""The trainer: turns batches of samples into optimizer steps and publishes each new policy.
+
+It sees samples (token ids, a loss mask and rollout log-probs per response token, a reward),
+never sessions or HTTP. It reaches the engine only through `update_weights` (the new weights
+under a new `weights_version`) and `score` (a teacher-forced probe that proves the swap landed).
+
+The trainer owns its own float32 copy of the model, so training never touches the weights being
+served. With LoRA the served weights are the merged ones (W + scale * B @ A) and the reference
+policy is the same model with its adapters off; with full fine-tuning the reference is a frozen
+copy of the starting weights.
+
+One step (`step`), in order:
+ 1. pack the batch into micro-batches under a token budget (a long sample goes alone);
+ 2. per micro-batch: reference log-probs (no grad), then the policy forward; old log-probs;
+    the policy loss; backward, weighted so the accumulated gradient is the full-batch one;
+ 3. clip the gradient norm, one AdamW step;
+ 4. merge the weights and publish them to the engine as version + 1;
+ 5. score a probe (the batch's first sample) on the engine and compare with our own log-probs;
+ 6. record the metrics row and the consumed sample ids; publish TrainStep.
+
+"Recompute" old log-probs are taken from the policy forward of step 2, detached: each batch
+gets exactly one optimizer step and the weights do not move between micro-batches, so that
+forward *is* the current policy before the update, and a separate no-grad pass would give the
+same numbers at the cost of one more forward (ratio = 1 exactly, as in on-policy PPO).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import logging
+import math
+import os
+import re
+import shutil
+import time
+import warnings
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+import anyio
+import torch
+
+from ocrl.train.loss import entropy_from_logits, grpo_advantages, policy_loss, token_logprobs
+from ocrl.types import Progress, Sample, TrainStep, WeightsSwapped
+
+log = logging.getLogger("ocrl.train")
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+KEEP_CHECKPOINTS = 3
+ADAPTER = "default"  # peft's name for the one adapter we train
+
+METRIC_KEYS = (
+    "step", "weights_version", "loss", "pg_loss", "kl", "clip_frac", "ratio_mean", "ratio_max",
+    "entropy", "mismatch", "grad_norm", "reward_mean", "masked_fraction", "tokens", "samples",
+    "step_seconds", "swap_seconds",
+)  # fmt: skip
+
+_CHECKPOINT = re.compile(r"^step-(\d+)$")
+
+
+class _NoRecords:
+    dir = None
+
+    def metric(self, row: dict) -> None:
+        pass
+
+    def consumed(self, sample_ids: list[str]) -> None:
+        pass
+
+
+class _NoEvents:
+    def publish(self, event) -> None:
+        pass
+
+    def log(self, level: str, message: str) -> None:
+        pass
+
+
+def sample_problem(sample: Sample) -> str | None:
+    """Why a sample cannot be trained on, or None if it can."""
+    n = sample.response_length
+    if n < 1 or n >= len(sample.tokens):
+        return f"response_length {n} must be in [1, {len(sample.tokens)}) (a prompt token first)"
+    if len(sample.loss_mask) != n or len(sample.rollout_logprobs) != n:
+        return f"loss_mask/rollout_logprobs lengths {len(sample.loss_mask)}/{len(sample.rollout_logprobs)} != {n}"
+    if not sample.effective:
+        return "no masked-in token"
+    return None
+
+
+def split_prompt(sample: Sample) -> tuple[list[int], list[int]]:
+    cut = len(sample.tokens) - sample.response_length
+    return list(sample.tokens[:cut]), list(sample.tokens[cut:])
+
+
+def _probe_sample(prompt_ids: list[int], response_ids: list[int]) -> Sample:
+    """Token ids only: what a swap probe needs, and all a checkpoint keeps of one."""
+    n = len(response_ids)
+    return Sample(
+        sample_id="probe",
+        session_id="",
+        turn_index=-1,
+        tokens=list(prompt_ids) + list(response_ids),
+        response_length=n,
+        loss_mask=[1] * n,
+        rollout_logprobs=[0.0] * n,
+        reward=0.0,
+        weights_version=-1,
+        score=None,
+    )
+
+
+@dataclass
+class _MicroBatch:
+    """Samples left-padded to one width; response tensors right-aligned to R columns.
+
+    Left padding puts every response at the end of its row, so the logits of the last R + 1
+    positions cover every response token and the (often long) prompts cost no vocab projection.
+    """
+
+    input_ids: torch.Tensor  # (B, T)
+    attention_mask: torch.Tensor  # (B, T)
+    position_ids: torch.Tensor  # (B, T)
+    targets: torch.Tensor  # (B, R) the response ids
+    loss_mask: torch.Tensor  # (B, R)
+    rollout_logprobs: torch.Tensor  # (B, R)
+    rewards: torch.Tensor  # (B,)
+
+    @classmethod
+    def of(cls, samples: list[Sample], device: torch.device) -> "_MicroBatch":
+        width = max(len(s.tokens) for s in samples)
+        span = max(s.response_length for s in samples)
+        ids = torch.zeros((len(samples), width), dtype=torch.long)
+        attention = torch.zeros((len(samples), width), dtype=torch.long)
+        loss_mask = torch.zeros((len(samples), span), dtype=torch.long)
+        rollout = torch.zeros((len(samples), span), dtype=torch.float32)
+        for row, sample in enumerate(samples):
+            n, r = len(sample.tokens), sample.response_length
+            ids[row, width - n :] = torch.tensor(sample.tokens)
+            attention[row, width - n :] = 1
+            loss_mask[row, span - r :] = torch.tensor(sample.loss_mask)
+            rollout[row, span - r :] = torch.tensor(sample.rollout_logprobs, dtype=torch.float32)
+        positions = (attention.cumsum(-1) - 1).clamp(min=0)
+        rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
+        return cls(
+            *(t.to(device) for t in (ids, attention, positions, ids[:, width - span :], loss_mask, rollout, rewards))
+        )
+
+
+def pack(samples: list[Sample], budget: int) -> list[list[Sample]]:
+    """Greedy micro-batches whose padded size (rows x longest row) fits `budget` tokens.
+
+    Longest first, so each group's width is its first sample; a sample over budget goes alone.
+    """
+    groups: list[list[Sample]] = []
+    current: list[Sample] = []
+    for sample in sorted(samples, key=lambda s: len(s.tokens), reverse=True):
+        if current and (len(current) + 1) * len(current[0].tokens) > budget:
+            groups.append(current)
+            current = []
+        current.append(sample)
+    if current:
+        groups.append(current)
+    return groups
+
+
+def _engine_name(module_name: str) -> str:
+    """peft's module path -> the plain model's: drop the wrapper prefix and `.base_layer`."""
+    return module_name.removeprefix("base_model.model.").replace(".base_layer", "")
+
+
+class Trainer:
+    def __init__(
+        self,
+        config,
+        model,
+        *,
+        engine,
+        records=None,
+        events=None,
+        device: str | torch.device = "cpu",
+        verify_atol: float = 1e-3,
+    ):
+        self.config = config
+        self.engine = engine
+        self.records = records if records is not None else _NoRecords()
+        self.events = events if events is not None else _NoEvents()
+        self.device = torch.device(device)
+        self.verify_atol = verify_atol  # fp32 engines agree to ~1e-6; a bf16 engine needs more
+        self.lora = config.lora_rank > 0 and not config.full_finetune
+        self.model, self.reference = self._build(model)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(
+            self.params, lr=config.lr, betas=(0.9, 0.98), weight_decay=config.weight_decay
+        )
+        self.steps = 0
+        self.version = 0  # the weights_version the engine last acknowledged from us
+        self.consumed_samples = 0
+        self.last_metrics: dict[str, float] = {}
+        self.probe: Sample | None = None  # the last step's first sample: proves each swap landed
+        if config.save_dir:
+            self.save_dir: Path | None = Path(config.save_dir)
+        elif getattr(self.records, "dir", None) is not None:
+            self.save_dir = Path(self.records.dir) / "checkpoints"
+        else:
+            self.save_dir = None
+        self._saved_step = 0
+        self._lock = anyio.Lock()  # a step and a checkpoint never interleave
+        self._pending: list[Sample] = []
+        self._paused = False
+        self._wake = anyio.Event()
+
+    # -- model ------------------------------------------------------------------------------
+
+    def _build(self, model):
+        base = copy.deepcopy(model).to(device=self.device, dtype=torch.float32)
+        base.eval()  # no dropout: the policy we train must be the one the engine samples from
+        if not self.lora:
+            base.requires_grad_(True)
+            return base, copy.deepcopy(base).requires_grad_(False)
+        from peft import LoraConfig, get_peft_model
+
+        names = [name for name, _ in base.named_modules()]
+        targets = [t for t in LORA_TARGETS if any(n.endswith("." + t) for n in names)] or "all-linear"
+        lora = LoraConfig(
+            r=self.config.lora_rank,
+            lora_alpha=self.config.lora_alpha,
+            target_modules=targets,
+            lora_dropout=0.0,
+            bias="none",
+            task_type="CAUSAL_LM",
+        )
+        with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
+            torch.manual_seed(self.config.seed)  # the adapter's init follows config.seed only
+            warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
+            return get_peft_model(base, lora), None
+
+    def _reference_mode(self):
+        """The model to run for reference log-probs, and the context that makes it the base."""
+        if self.lora:
+            return self.model, self.model.disable_adapter()
+        return self.reference, contextlib.nullcontext()
+
+    def _forward(self, model, batch: _MicroBatch, entropy: bool = False):
+        span = batch.targets.shape[1]
+        out = model(
+            input_ids=batch.input_ids,
+            attention_mask=batch.attention_mask,
+            position_ids=batch.position_ids,
+            use_cache=False,
+            logits_to_keep=span + 1,
+        )
+        logits = out.logits[:, :-1]  # (B, R, V): position t predicts response token t
+        logprobs = token_logprobs(logits, batch.targets)  # (B, R)
+        if not entropy:
+            return logprobs, None
+        if self.config.entropy_coef:
+            return logprobs, entropy_from_logits(logits)  # (B, R)
+        with torch.no_grad():  # reported only: no graph for it
+            return logprobs, entropy_from_logits(logits.detach())
+
+    @torch.no_grad()
+    def response_logprobs(self, samples: list[Sample], *, reference: bool = False) -> list[torch.Tensor]:
+        """Teacher-forced log-probs of each sample's response, one (R,) tensor per sample,
+        under the trained policy or (reference=True) the reference. One sample at a time, so
+        there is no padding and the numbers match the engine's `score`."""
+        out = []
+        for sample in samples:
+            batch = _MicroBatch.of([sample], self.device)
+            if reference:
+                model, mode = self._reference_mode()
+                with mode:
+                    logprobs, _ = self._forward(model, batch)
+            else:
+                logprobs, _ = self._forward(self.model, batch)
+            out.append(logprobs[0].cpu())
+        return out
+
+    @torch.no_grad()
+    def published_weights(self) -> dict[str, torch.Tensor]:
+        """What the engine needs to serve the current policy, named as in the plain model.
+
+        LoRA: only the adapted linear weights, merged (W + scale * B @ A) into new tensors; the
+        training model is left as it is. Full fine-tuning: every parameter (views, not copies:
+        the engine copies them while we hold the step lock).
+        """
+        if not self.lora:
+            return {name: p.detach() for name, p in self.model.named_parameters()}
+        from peft.tuners.lora import LoraLayer
+
+        merged = {}
+        for name, module in self.model.named_modules():
+            if isinstance(module, LoraLayer) and ADAPTER in module.lora_A:
+                weight = module.get_base_layer().weight.detach()
+                merged[_engine_name(name) + ".weight"] = weight + module.get_delta_weight(ADAPTER).to(weight.dtype)
+        return merged
+
+    # -- one step ---------------------------------------------------------------------------
+
+    def accumulate_gradients(self, batch: list[Sample]) -> dict[str, float]:
+        """Backward the full-batch policy loss over micro-batches; returns its diagnostics.
+
+        policy_loss takes a token mean per sample, then a mean over samples; weighting each
+        micro-batch's loss by its share of the batch's samples makes the accumulated gradient
+        equal to the one-big-batch gradient.
+        """
+        config = self.config
+        self.optimizer.zero_grad(set_to_none=True)
+        total = len(batch)
+        by_sample: dict[str, float] = defaultdict(float)  # sample-mean metrics, weighted sums
+        by_token: dict[str, float] = defaultdict(float)  # token-mean metrics, weighted sums
+        tokens = 0
+        ratio_max = 0.0
+        for group in pack(batch, config.micro_batch_tokens):
+            micro = _MicroBatch.of(group, self.device)
+            mask = micro.loss_mask.bool()  # (B, R)
+            model, mode = self._reference_mode()
+            with torch.no_grad(), mode:
+                ref_logprobs, _ = self._forward(model, micro)  # (B, R)
+            logprobs, entropy = self._forward(self.model, micro, entropy=True)  # (B, R)
+            old = logprobs.detach() if config.old_logprobs == "recompute" else micro.rollout_logprobs
+            loss, metrics = policy_loss(
+                logprobs,
+                old,
+                grpo_advantages(micro.rewards, micro.loss_mask),
+                micro.loss_mask,
+                ref_logprobs,
+                eps_clip=config.eps_clip,
+                eps_clip_high=config.eps_clip_high,
+                kl_coef=config.kl_coef,
+                entropy=entropy,
+                entropy_coef=config.entropy_coef,
+            )
+            (loss * (len(group) / total)).backward()
+
+            n = int(mask.sum())
+            gap = torch.where(mask, logprobs.detach() - micro.rollout_logprobs, 0.0).abs().sum().item()
+            for key in ("loss", "pg_loss", "kl", "entropy"):
+                by_sample[key] += metrics[key] * len(group)
+            for key in ("clip_frac", "ratio_mean"):
+                by_token[key] += metrics[key] * n
+            by_token["mismatch"] += gap
+            tokens += n
+            ratio_max = max(ratio_max, metrics["ratio_max"])
+        out = {key: value / total for key, value in by_sample.items()}
+        out |= {key: value / max(tokens, 1) for key, value in by_token.items()}
+        out["ratio_max"] = ratio_max
+        return out
+
+    def _train(self, batch: list[Sample]) -> tuple[dict[str, float], dict[str, torch.Tensor], torch.Tensor]:
+        """The torch part of a step (a worker thread): gradients, clip, AdamW, merge, probe."""
+        started = time.perf_counter()
+        metrics = self.accumulate_gradients(batch)
+        max_norm = self.config.grad_clip if self.config.grad_clip > 0 else math.inf
+        metrics["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
+        if math.isfinite(metrics["grad_norm"]):
+            self.optimizer.step()
+        else:  # one poisoned batch must not wreck the weights being served
+            log.warning("skipping the update: gradient norm is %s", metrics["grad_norm"])
+        self.optimizer.zero_grad(set_to_none=True)
+        metrics["step_seconds"] = time.perf_counter() - started
+        return metrics, self.published_weights(), self.response_logprobs([self.probe])[0]
+
+    async def step(self, batch: list[Sample]) -> dict[str, float]:
+        """One optimizer step on `batch`, then publish, verify, record. Returns the metrics row."""
+        for sample in batch:
+            if problem := sample_problem(sample):
+                raise ValueError(f"sample {sample.sample_id}: {problem}")
+        if not batch:
+            raise ValueError("empty batch")
+        async with self._lock:
+            # 1-3. micro-batched gradients, clip, AdamW; merged weights and our probe log-probs
+            self.probe = _probe_sample(*split_prompt(batch[0]))
+            metrics, tensors, probe_logprobs = await anyio.to_thread.run_sync(self._train, batch)
+            self.steps += 1
+            self.consumed_samples += len(batch)
+            # 4-5. swap into the engine as the next version, and check it serves what we trained
+            swap_seconds, verified, probe_diff = await self._publish(tensors, self.version + 1, probe_logprobs)
+            # 6. record
+            response_tokens = sum(s.response_length for s in batch)
+            metrics |= {
+                "reward_mean": sum(s.reward for s in batch) / len(batch),
+                # the share of response tokens that are trained on (loss_mask 1)
+                "masked_fraction": sum(sum(s.loss_mask) for s in batch) / response_tokens,
+                "tokens": float(sum(len(s.tokens) for s in batch)),
+                "samples": float(len(batch)),
+                "swap_seconds": swap_seconds,
+                "verified": float(verified),
+                "probe_diff": probe_diff,
+            }
+            self.last_metrics = metrics
+            row = {"step": self.steps, "weights_version": self.version, **metrics}
+            self.records.metric(row)
+            self.records.consumed([s.sample_id for s in batch])
+            self.events.publish(TrainStep(step=self.steps, weights_version=self.version, metrics=metrics))
+            return row
+
+    async def _publish(
+        self, tensors: dict[str, torch.Tensor], version: int, probe_logprobs: torch.Tensor | None
+    ) -> tuple[float, bool, float]:
+        """Swap `tensors` into the engine as `version` and check the served log-probs of the
+        probe against ours (`probe_logprobs`, None when there is no probe: not verified). A
+        failed swap is reported, not raised: the next step sends all the changing weights
+        again, so the engine catches up."""
+        try:
+            seconds = await self.engine.update_weights(tensors, version=version)
+        except Exception as e:
+            log.exception("weight swap to version %d failed", version)
+            self.events.log("error", f"weight swap to version {version} failed: {type(e).__name__}: {e}")
+            self.events.publish(WeightsSwapped(weights_version=self.version, seconds=0.0, verified=False))
+            return 0.0, False, math.inf
+        self.version = version
+        probe_diff = math.nan
+        if self.probe is not None and probe_logprobs is not None:
+            try:
+                served = torch.tensor(await self.engine.score(*split_prompt(self.probe)), dtype=torch.float32)
+                same = served.shape == probe_logprobs.shape
+                probe_diff = (served - probe_logprobs).abs().max().item() if same else math.inf
+            except Exception:
+                log.exception("scoring the probe of version %d failed", version)
+                probe_diff = math.inf
+        verified = probe_diff < self.verify_atol  # False when nothing was probed (nan)
+        if probe_logprobs is not None and not verified:
+            log.warning("swap to version %d did not verify: probe differs by %.3g", version, probe_diff)
+            self.events.log("warning", f"weights version {version}: served log-probs differ by {probe_diff:.3g}")
+        self.events.publish(WeightsSwapped(weights_version=version, seconds=seconds, verified=verified))
+        return seconds, verified, probe_diff
+
+    async def publish(self) -> bool:
+        """Push the current weights to the engine under the current version (after a resume)."""
+        async with self._lock:
+            tensors = await anyio.to_thread.run_sync(self.published_weights)
+            probe_logprobs = None
+            if self.probe is not None:
+                probe_logprobs = (await anyio.to_thread.run_sync(self.response_logprobs, [self.probe]))[0]
+            _, verified, _ = await self._publish(tensors, self.version, probe_logprobs)
+            return verified
+
+    # -- the loop ---------------------------------------------------------------------------
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    @property
+    def pending(self) -> int:
+        return len(self._pending)
+
+    def pause(self) -> None:
+        """Stop taking steps; samples keep accumulating."""
+        self._paused = True
+
+    def resume(self) -> None:
+        self._paused = False
+        self._wake.set()
+
+    async def run(self, samples) -> None:
+        """Step on every `rollout_batch_size` samples from the stream until it closes or we are
+        cancelled; checkpoint every `save_interval` steps and on the way out."""
+        if self.steps and self.engine.weights_version != self.version:
+            await self.publish()  # a resumed trainer serves what it restored
+        closed = False
+
+        async def read() -> None:
+            nonlocal closed
+            async with samples:
+                async for sample in samples:
+                    if problem := sample_problem(sample):
+                        log.warning("dropping sample %s: %s", sample.sample_id, problem)
+                        continue
+                    self._pending.append(sample)
+                    self._wake.set()
+            closed = True
+            self._wake.set()
+
+        size = max(1, self.config.rollout_batch_size)
+        try:
+            async with anyio.create_task_group() as tasks:
+                tasks.start_soon(read)
+                while True:
+                    if self._paused or len(self._pending) < size:
+                        if closed:
+                            break
+                        await self._wake.wait()
+                        self._wake = anyio.Event()
+                        continue
+                    batch = self._pending[:size]
+                    del self._pending[:size]
+                    try:
+                        with anyio.CancelScope(shield=True):  # a step is atomic: train, swap, record
+                            await self.step(batch)
+                    except Exception as e:  # the samples stay unconsumed in the journal
+                        log.exception("training step failed")
+                        self.events.log("error", f"training step failed: {type(e).__name__}: {e}")
+                        continue
+                    if self.config.save_interval > 0 and self.steps % self.config.save_interval == 0:
+                        await self.save_checkpoint()
+        finally:
+            if self.steps > self._saved_step:
+                with anyio.CancelScope(shield=True):
+                    await self.save_checkpoint()
+
+    # -- checkpoints ------------------------------------------------------------------------
+
+    async def save_checkpoint(self) -> Path | None:
+        """Write `<save_dir>/step-<n>` via a temporary directory and a rename; keep the newest 3."""
+        if self.save_dir is None:
+            return None
+        async with self._lock:
+            final = self.save_dir / f"step-{self.steps}"
+            if self._saved_step == self.steps and final.exists():
+                return final
+            task = f"checkpoint step {self.steps}"
+            staging = self.save_dir / f".step-{self.steps}.tmp"
+            state = {
+                "step": self.steps,
+                "weights_version": self.version,
+                "consumed_samples": self.consumed_samples,
+                "lora": self.lora,
+                "lora_rank": self.config.lora_rank if self.lora else 0,
+                "saved_at": time.time(),
+                "probe": list(split_prompt(self.probe)) if self.probe is not None else None,
+            }
+            # 1. weights -> 2. optimizer -> 3. state, rename, prune; progress between stages
+            self.events.publish(Progress(task=task, done=0, total=3))
+            await anyio.to_thread.run_sync(self._write_weights, staging)
+            self.events.publish(Progress(task=task, done=1, total=3))
+            await anyio.to_thread.run_sync(torch.save, self.optimizer.state_dict(), staging / "optimizer.pt")
+            self.events.publish(Progress(task=task, done=2, total=3))
+            await anyio.to_thread.run_sync(self._finish_checkpoint, staging, final, state)
+            self.events.publish(Progress(task=task, done=3, total=3))
+            self._saved_step = self.steps
+            log.info("saved %s", final)
+            return final
+
+    def _write_weights(self, staging: Path) -> None:
+        if staging.exists():
+            shutil.rmtree(staging)
+        staging.mkdir(parents=True, mode=0o700)
+        if self.lora:
+            self.model.save_pretrained(staging / "adapter")
+        else:
+            from safetensors.torch import save_model
+
+            save_model(self.model, str(staging / "model.safetensors"))  # handles tied weights
+
+    def _finish_checkpoint(self, staging: Path, final: Path, state: dict) -> None:
+        (staging / "state.json").write_text(json.dumps(state))
+        if final.exists():  # re-saving a step: swap the old one out, then drop it
+            old = final.with_name(final.name + ".old")
+            os.replace(final, old)
+            os.replace(staging, final)
+            shutil.rmtree(old)
+        else:
+            os.replace(staging, final)
+        stale = checkpoints(final.parent)[:-KEEP_CHECKPOINTS] + list(final.parent.glob(".step-*.tmp"))
+        for path in stale:  # older checkpoints, and staging left by a crash
+            shutil.rmtree(path, ignore_errors=True)
+
+    def load_latest(self, save_dir: str | Path | None = None) -> Path | None:
+        """Restore weights, optimizer, step, version and consumed count from the newest complete
+        checkpoint; None when there is none. Call before `run`, which then republishes."""
+        directory = Path(save_dir) if save_dir else self.save_dir
+        found = checkpoints(directory) if directory is not None else []
+        if not found:
+            return None
+        path = found[-1]
+        state = json.loads((path / "state.json").read_text())
+        if state["lora"] != self.lora:
+            raise ValueError(f"{path} holds {'a LoRA adapter' if state['lora'] else 'full weights'}; config disagrees")
+        if self.lora:
+            from peft import set_peft_model_state_dict
+            from safetensors.torch import load_file
+
+            loaded = load_file(str(path / "adapter" / "adapter_model.safetensors"), device=str(self.device))
+            result = set_peft_model_state_dict(self.model, loaded)
+            if result.unexpected_keys:
+                raise ValueError(f"{path}: adapter does not fit the model: {result.unexpected_keys[:3]}")
+        else:
+            from safetensors.torch import load_model
+
+            load_model(self.model, str(path / "model.safetensors"), device=str(self.device))
+        self.optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True, map_location=self.device))
+        self.steps = self._saved_step = int(state["step"])
+        self.version = int(state["weights_version"])
+        self.consumed_samples = int(state["consumed_samples"])
+        self.probe = _probe_sample(*state["probe"]) if state.get("probe") else None
+        log.info("resumed from %s (step %d, weights version %d)", path, self.steps, self.version)
+        return path
+
+
+def checkpoints(directory: Path) -> list[Path]:
+    """Complete checkpoints under `directory` (a state.json is written last), oldest first."""
+    if not directory.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in directory.iterdir() if (m := _CHECKPOINT.match(p.name))]
+    return [p for _, p in sorted(found) if (p / "state.json").exists()]

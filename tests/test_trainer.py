@@ -1,0 +1,382 @@
+"""The trainer on a tiny random Llama: learning direction, micro-batching, LoRA hot-swap into a
+real HFEngine, the reference policy, old log-probs, checkpoints and the run loop."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import random
+from types import SimpleNamespace
+
+import anyio
+import msgspec
+import pytest
+import torch
+from torch.testing import assert_close
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from ocrl.config import Config
+from ocrl.engine.hf import HFEngine
+from ocrl.events import Events
+from ocrl.records import Records
+from ocrl.train.trainer import METRIC_KEYS, Trainer, checkpoints, pack, sample_problem
+from ocrl.types import Progress, Sample, TrainStep, WeightsSwapped
+
+LORA_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def base() -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=128,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+def make_config(tmp_path=None, **overrides) -> Config:
+    fields = dict(rollout_batch_size=4, lr=1e-2, lora_rank=4, lora_alpha=8, save_interval=0, seed=0)
+    if tmp_path is not None:
+        fields["save_dir"] = str(tmp_path / "checkpoints")
+    return Config(**(fields | overrides))
+
+
+def make_engine(model) -> HFEngine:
+    tokenizer = SimpleNamespace(eos_token_id=0, pad_token_id=0, decode=lambda ids, **kw: "")
+    return HFEngine(SimpleNamespace(model=copy.deepcopy(model), tokenizer=tokenizer, name="tiny"))
+
+
+@torch.no_grad()
+def teacher_forced(model, sample: Sample) -> torch.Tensor:
+    """log pi(response | prompt) by one plain forward of the whole sequence, as (R,)."""
+    ids = torch.tensor([sample.tokens])
+    cut = len(sample.tokens) - sample.response_length
+    logits = model(input_ids=ids).logits[0, cut - 1 : -1].float()  # (R, V)
+    return torch.log_softmax(logits, -1).gather(-1, ids[0, cut:, None]).squeeze(-1)
+
+
+def make_samples(model, n: int, reward: float = 1.0, seed: int = 0, lengths=(3, 9)) -> list[Sample]:
+    """Random prompt + response ids (no pad id 0), rollout log-probs from `model`, one masked-out
+    token in every other sample."""
+    rng = random.Random(seed)
+    samples = []
+    for i in range(n):
+        prompt = [rng.randrange(1, 64) for _ in range(rng.randrange(*lengths))]
+        response = [rng.randrange(1, 64) for _ in range(rng.randrange(*lengths))]
+        mask = [1] * len(response)
+        if i % 2:
+            mask[0] = 0
+        sample = Sample(
+            sample_id=f"s{seed}-{i}",
+            session_id=f"session-{i}",
+            turn_index=0,
+            tokens=prompt + response,
+            response_length=len(response),
+            loss_mask=mask,
+            rollout_logprobs=[0.0] * len(response),
+            reward=reward,
+            weights_version=0,
+            score=int(reward),
+        )
+        sample.rollout_logprobs = teacher_forced(model, sample).tolist()
+        samples.append(sample)
+    return samples
+
+
+def mean_logprob(trainer: Trainer, samples: list[Sample]) -> float:
+    return torch.cat(trainer.response_logprobs(samples)).mean().item()
+
+
+# -- pure helpers -------------------------------------------------------------------------------
+
+
+def test_pack_respects_the_token_budget(base):
+    samples = make_samples(base, 8, lengths=(2, 12))
+    groups = pack(samples, 30)
+    assert sorted(s.sample_id for g in groups for s in g) == sorted(s.sample_id for s in samples)
+    for group in groups:
+        width = max(len(s.tokens) for s in group)
+        assert len(group) == 1 or len(group) * width <= 30
+    assert len(pack(samples, 10)) == 8  # every sample is over budget: each goes alone
+    assert len(pack(samples, 10_000)) == 1
+
+
+def test_sample_problem_flags_what_cannot_be_trained(base):
+    good = make_samples(base, 1)[0]
+    assert sample_problem(good) is None
+    assert "masked-in" in sample_problem(msgspec.structs.replace(good, loss_mask=[0] * good.response_length))
+    assert "lengths" in sample_problem(msgspec.structs.replace(good, rollout_logprobs=[0.0]))
+    whole = msgspec.structs.replace(good, response_length=len(good.tokens), loss_mask=[1] * len(good.tokens))
+    assert "prompt token" in sample_problem(whole)
+
+
+# -- learning -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("reward", [1.0, -1.0])
+async def test_rewards_move_logprobs_their_way_and_every_swap_verifies(base, reward):
+    events = Events()
+    engine = make_engine(base)
+    trainer = Trainer(make_config(), base, engine=engine, events=events)
+    samples = make_samples(base, 4, reward=reward)
+    before = mean_logprob(trainer, samples)
+    for step in range(1, 4):
+        row = await trainer.step(samples)
+        assert row["step"] == step and row["weights_version"] == step
+    after = mean_logprob(trainer, samples)
+    assert (after - before) * reward > 0.05, (before, after)
+    assert trainer.version == engine.weights_version == 3
+    swaps = [e for e in events.history if isinstance(e, WeightsSwapped)]
+    assert [(e.weights_version, e.verified) for e in swaps] == [(1, True), (2, True), (3, True)]
+    steps = [e for e in events.history if isinstance(e, TrainStep)]
+    assert [e.step for e in steps] == [1, 2, 3]
+
+
+@pytest.mark.parametrize("full_finetune", [False, True])
+async def test_micro_batches_give_the_full_batch_gradient(base, full_finetune):
+    samples = make_samples(base, 6, lengths=(3, 12))
+    whole = Trainer(make_config(full_finetune=full_finetune, micro_batch_tokens=10_000), base, engine=make_engine(base))
+    micro = Trainer(make_config(full_finetune=full_finetune, micro_batch_tokens=24), base, engine=make_engine(base))
+    assert len(pack(samples, 24)) >= 3  # a real split, with some samples alone over budget
+    whole_metrics = whole.accumulate_gradients(samples)
+    micro_metrics = micro.accumulate_gradients(samples)
+    for key in ("loss", "pg_loss", "kl", "entropy", "mismatch", "ratio_mean"):
+        assert_close(micro_metrics[key], whole_metrics[key], rtol=1e-5, atol=1e-6)
+    grads = 0
+    for (name, a), (_, b) in zip(whole.model.named_parameters(), micro.model.named_parameters()):
+        if a.requires_grad:
+            assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-7, msg=name)
+            grads += int(a.grad.abs().sum() > 0)
+    assert grads > 0
+    if not full_finetune:
+        # Adam's first step is lr * g / (|g| + eps): a 1e-7 relative gradient difference moves
+        # a near-zero component by up to ~1e-3 * lr, so the weights agree to 1e-5 while the
+        # merged delta itself is ~1e-2.
+        await whole.step(samples)
+        await micro.step(samples)
+        merged = micro.published_weights()
+        for name, tensor in whole.published_weights().items():
+            assert_close(merged[name], tensor, rtol=0, atol=1e-5, msg=name)
+            assert (tensor - base.state_dict()[name]).abs().max() > 1e-3, name
+
+
+# -- hot-swap -----------------------------------------------------------------------------------
+
+
+async def test_lora_step_swaps_merged_weights_into_the_engine(base):
+    engine = make_engine(base)
+    trainer = Trainer(make_config(), base, engine=engine)
+    samples = make_samples(base, 4)
+    await trainer.step(samples)
+    await trainer.step(samples)
+
+    served = engine.model.state_dict()
+    original = base.state_dict()
+    published = trainer.published_weights()
+    assert len(published) == 2 * len(LORA_NAMES)  # only the adapted linears travel
+    modules = dict(trainer.model.named_modules())
+    for name in original:
+        changed = name.removesuffix(".weight").rsplit(".", 1)[-1] in LORA_NAMES
+        if not changed:
+            assert torch.equal(served[name], original[name]), name
+            continue
+        lora = modules["base_model.model." + name.removesuffix(".weight")]
+        delta = lora.scaling["default"] * lora.lora_B["default"].weight @ lora.lora_A["default"].weight
+        assert delta.abs().max() > 0, name
+        assert_close(served[name], original[name] + delta, rtol=0, atol=1e-6, msg=name)
+
+    for sample in samples + make_samples(base, 2, seed=7):
+        ours = trainer.response_logprobs([sample])[0]
+        theirs = torch.tensor(await engine.score(*_split(sample)))
+        assert (ours - theirs).abs().max() < 1e-4
+
+
+def _split(sample: Sample):
+    cut = len(sample.tokens) - sample.response_length
+    return sample.tokens[:cut], sample.tokens[cut:]
+
+
+@pytest.mark.parametrize("full_finetune", [False, True])
+async def test_reference_stays_the_base_while_the_policy_moves(base, full_finetune):
+    trainer = Trainer(make_config(full_finetune=full_finetune), base, engine=make_engine(base))
+    samples = make_samples(base, 4)
+    for _ in range(2):
+        await trainer.step(samples)
+    for sample, reference, policy in zip(
+        samples, trainer.response_logprobs(samples, reference=True), trainer.response_logprobs(samples)
+    ):
+        assert_close(reference, teacher_forced(base, sample), rtol=0, atol=1e-5)
+        assert (policy - reference).abs().max() > 1e-3
+    assert trainer.last_metrics["kl"] > 0
+
+
+# -- old log-probs ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("mode", "ratio"), [("rollout", math.exp(0.1)), ("recompute", 1.0)])
+async def test_old_logprobs_come_from_the_configured_source(base, mode, ratio):
+    # The rollout log-probs are the base's minus 0.1. Before any step the LoRA policy *is* the
+    # base (B = 0), so rho = exp(logp - old) = exp(0.1) = 1.105 against the rollout ones (inside
+    # the clip range [0.8, 1.28]: no clipping), and exactly 1 against recomputed ones. The
+    # mismatch |recomputed - rollout| is 0.1 either way.
+    samples = [
+        msgspec.structs.replace(s, rollout_logprobs=[x - 0.1 for x in s.rollout_logprobs])
+        for s in make_samples(base, 4)
+    ]
+    trainer = Trainer(make_config(old_logprobs=mode), base, engine=make_engine(base))
+    row = await trainer.step(samples)
+    assert row["ratio_mean"] == pytest.approx(ratio, abs=1e-4)
+    assert row["ratio_max"] == pytest.approx(ratio, abs=1e-4)
+    assert row["mismatch"] == pytest.approx(0.1, abs=1e-4)
+    assert row["clip_frac"] == 0.0
+
+
+# -- checkpoints --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("full_finetune", [False, True])
+async def test_checkpoint_restores_weights_optimizer_and_version(base, tmp_path, full_finetune):
+    events = Events()
+    config = make_config(tmp_path, full_finetune=full_finetune)
+    trainer = Trainer(config, base, engine=make_engine(base), events=events)
+    samples = make_samples(base, 4)
+    for _ in range(2):
+        await trainer.step(samples)
+    path = await trainer.save_checkpoint()
+    assert path == tmp_path / "checkpoints" / "step-2"
+    progress = [e for e in events.history if isinstance(e, Progress)]
+    assert progress[-1].done == progress[-1].total and len(progress) >= 2
+    assert json.loads((path / "state.json").read_text())["consumed_samples"] == 8
+
+    engine = make_engine(base)
+    restored = Trainer(config, base, engine=engine, events=events)
+    assert restored.load_latest() == path
+    assert (restored.steps, restored.version, restored.consumed_samples) == (2, 2, 8)
+    for (name, a), (_, b) in zip(trainer.model.named_parameters(), restored.model.named_parameters()):
+        if a.requires_grad:
+            assert torch.equal(a, b), name
+    steps = {int(s["step"]) for s in restored.optimizer.state_dict()["state"].values()}
+    assert steps == {2}
+
+    # run() on the restored trainer republishes what it restored, under the restored version.
+    send, receive = anyio.create_memory_object_stream[Sample](10)
+    send.close()
+    with events.subscribe() as subscription:
+        await restored.run(receive)
+        swap = await subscription.get()
+    assert swap == WeightsSwapped(weights_version=2, seconds=swap.seconds, verified=True, at=swap.at)
+    assert engine.weights_version == 2
+    sample = samples[0]
+    assert_close(torch.tensor(await engine.score(*_split(sample))), restored.response_logprobs([sample])[0], atol=1e-5, rtol=0)
+
+
+async def test_only_the_newest_three_checkpoints_stay(base, tmp_path):
+    trainer = Trainer(make_config(tmp_path, rollout_batch_size=1), base, engine=make_engine(base))
+    samples = make_samples(base, 4)
+    for sample in samples:
+        await trainer.step([sample])
+        await trainer.save_checkpoint()
+    assert [p.name for p in checkpoints(tmp_path / "checkpoints")] == ["step-2", "step-3", "step-4"]
+    assert not [p for p in (tmp_path / "checkpoints").iterdir() if p.name.startswith(".")]
+
+
+# -- the loop -----------------------------------------------------------------------------------
+
+
+async def _until(condition, seconds: float = 20.0) -> None:
+    with anyio.fail_after(seconds):
+        while not condition():
+            await anyio.sleep(0.01)
+
+
+async def test_run_batches_pauses_records_and_checkpoints_on_exit(base, tmp_path):
+    records = Records(tmp_path / "run")
+    events = Events()
+    config = make_config(rollout_batch_size=2)  # save_dir defaults to <records>/checkpoints
+    trainer = Trainer(config, base, engine=make_engine(base), records=records, events=events)
+    samples = make_samples(base, 5)
+    send, receive = anyio.create_memory_object_stream[Sample](100)
+    trainer.pause()
+    async with anyio.create_task_group() as tasks:
+        tasks.start_soon(trainer.run, receive)
+        for sample in samples[:4]:
+            await send.send(sample)
+        await _until(lambda: trainer.pending == 4)
+        await anyio.sleep(0.05)
+        assert trainer.steps == 0  # paused: samples pile up, no step
+        trainer.resume()
+        await _until(lambda: trainer.steps == 2)
+        await send.send(samples[4])  # half a batch: never stepped, stays in the journal
+        send.close()
+    records.close()
+
+    assert trainer.steps == 2 and trainer.pending == 1
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    for row in rows:
+        assert set(METRIC_KEYS) <= set(row)
+        assert all(isinstance(row[k], (int, float)) and math.isfinite(row[k]) for k in METRIC_KEYS)
+        assert row["samples"] == 2 and row["reward_mean"] == 1.0 and 0 < row["masked_fraction"] <= 1
+    consumed = (tmp_path / "run" / "consumed.jsonl").read_text().split()
+    assert sorted(json.loads(c) for c in consumed) == sorted(s.sample_id for s in samples[:4])
+    assert [p.name for p in checkpoints(tmp_path / "run" / "checkpoints")] == ["step-2"]
+
+
+async def test_serving_continues_through_steps_and_swaps(base):
+    # Completions requested while steps and swaps run all finish, each from one weights version.
+    from ocrl.types import SamplingParams
+
+    engine = make_engine(base)
+    trainer = Trainer(make_config(), base, engine=engine)
+    samples = make_samples(base, 4)
+    completions = {}
+
+    async def chat(seed: int) -> None:
+        params = SamplingParams(max_tokens=6, temperature=1.0, seed=seed)
+        completions[seed] = await engine.generate([5, 6, 7, seed % 60 + 1], params)
+
+    async with anyio.create_task_group() as tasks:
+        tasks.start_soon(engine.run)
+        async with anyio.create_task_group() as requests:
+            for seed in range(6):
+                requests.start_soon(chat, seed)
+            for _ in range(2):
+                await trainer.step(samples)
+            for seed in range(6, 12):
+                requests.start_soon(chat, seed)
+        tasks.cancel_scope.cancel()
+    assert sorted(completions) == list(range(12))
+    assert {c.weights_version for c in completions.values()} <= {0, 1, 2}
+    assert all(completions[seed].weights_version == 2 for seed in range(6, 12))  # asked after the swaps
+    assert all(len(c.response_ids) == len(c.logprobs) >= 1 for c in completions.values())
+
+
+async def test_a_non_finite_gradient_skips_the_update(base):
+    # old_logprobs="rollout" with a nan rollout log-prob on a trained token: the loss and the
+    # gradient are nan, and the step must leave the weights as they were.
+    samples = make_samples(base, 2)
+    samples[0] = msgspec.structs.replace(samples[0], rollout_logprobs=[math.nan] * samples[0].response_length)
+    engine = make_engine(base)
+    trainer = Trainer(make_config(old_logprobs="rollout"), base, engine=engine)
+    before = {name: t.clone() for name, t in trainer.published_weights().items()}
+    row = await trainer.step(samples)
+    assert not math.isfinite(row["grad_norm"])
+    for name, tensor in trainer.published_weights().items():
+        assert torch.equal(tensor, before[name]), name
+    assert row["verified"] == 1.0 and engine.weights_version == 1
