@@ -227,9 +227,12 @@ class Api:
             )
         params = self._sampling(body, room)
         headers = http.headers
+        turn_type = headers.get("x-turn-type") or body.turn_type
+        if turn_type not in (None, "main", "side"):
+            raise ApiError(400, f"X-Turn-Type must be 'main' or 'side', not {turn_type!r}", param="turn_type")
         ticket = self.sessions.begin(
             session_id=headers.get("x-session-id") or body.session_id,
-            turn_type=(headers.get("x-turn-type") or body.turn_type),
+            turn_type=turn_type,
             session_done=bool(_header_bool(headers.get("x-session-done")) or body.session_done),
             messages=messages,
         )
