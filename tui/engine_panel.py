@@ -1,0 +1,96 @@
+"""The serving engine: model, weights version, throughput, queue depth, the last weight swap.
+
+Throughput is the growth of the engine's generated-token counter between two snapshots; the
+version is the newest seen in snapshots, served turns or swaps, whichever came first.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import msgspec
+from rich.table import Table
+from rich.text import Text
+from textual.reactive import reactive
+from textual.widget import Widget
+
+from ocrl.types import TurnServed, WeightsSwapped
+
+
+class EngineState(msgspec.Struct, frozen=True):
+    model: str = "—"
+    weights_version: int = 0
+    tokens_per_s: float | None = None
+    queue_depth: int = 0
+    active: int = 0
+    generated_tokens: int = 0
+    turns: int = 0  # turns served since the dashboard started
+
+
+def ago(seconds: float) -> str:
+    if seconds < 60:
+        return f"{seconds:.0f}s ago"
+    if seconds < 3600:
+        return f"{seconds / 60:.0f}m ago"
+    return f"{seconds / 3600:.1f}h ago"
+
+
+class EnginePanel(Widget):
+    DEFAULT_CSS = """
+    EnginePanel { border: round $primary; padding: 0 1; height: auto; }
+    """
+
+    state: reactive[EngineState] = reactive(EngineState, always_update=True)  # repaint the "ago"
+    last_swap: reactive[WeightsSwapped | None] = reactive(None)
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self._previous: tuple[float, int] | None = None  # (monotonic time, generated tokens)
+
+    def on_mount(self) -> None:
+        self.border_title = "engine"
+
+    def apply_snapshot(self, snapshot: dict[str, Any], at: float) -> None:
+        engine = snapshot.get("engine", {})
+        generated = engine.get("generated_tokens", 0)
+        rate = self.state.tokens_per_s
+        if self._previous is not None and at > self._previous[0] and generated >= self._previous[1]:
+            rate = (generated - self._previous[1]) / (at - self._previous[0])
+        self._previous = (at, generated)
+        self.state = msgspec.structs.replace(
+            self.state,
+            model=snapshot.get("model", self.state.model),
+            weights_version=max(self.state.weights_version, snapshot.get("weights_version", 0)),
+            tokens_per_s=rate,
+            queue_depth=engine.get("queue_depth", 0),
+            active=engine.get("active", 0),
+            generated_tokens=generated,
+        )
+
+    def turn_served(self, turn: TurnServed) -> None:
+        self.state = msgspec.structs.replace(
+            self.state, weights_version=max(self.state.weights_version, turn.weights_version), turns=self.state.turns + 1
+        )
+
+    def swapped(self, swap: WeightsSwapped) -> None:
+        self.last_swap = swap
+        self.state = msgspec.structs.replace(self.state, weights_version=max(self.state.weights_version, swap.weights_version))
+
+    def render(self) -> Table:
+        s = self.state
+        table = Table.grid(padding=(0, 1), expand=True)
+        table.add_column(ratio=1)
+        table.add_column(justify="right")
+        table.add_row("model", Text(s.model, style="bold"))
+        table.add_row("weights version", Text(f"v{s.weights_version}", style="bold #9ece6a"))
+        table.add_row("tokens/s", "—" if s.tokens_per_s is None else f"{s.tokens_per_s:.1f}")
+        table.add_row("queue depth · active", f"{s.queue_depth} · {s.active}")
+        table.add_row("turns served", str(s.turns))
+        swap = self.last_swap
+        if swap is None:
+            table.add_row("last swap", "—")
+        else:
+            mark = Text(" ✓", style="#9ece6a") if swap.verified else Text(" ✗ unverified", style="bold red")
+            table.add_row("last swap", Text(f"v{swap.weights_version} in {swap.seconds:.2f}s, {ago(time.time() - swap.at)}") + mark)
+        return table

@@ -1,0 +1,106 @@
+"""Sessions: the counters from the polled stats (open, main turns, waiting for their next
+state, judging, closed, samples by mask) and, from events, the most recently active sessions
+with their main-turn count and state.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from typing import Any
+
+import msgspec
+from rich.table import Table
+from rich.text import Text
+from textual.reactive import reactive
+from textual.widget import Widget
+
+from ocrl.types import SampleReady, SessionChanged, TurnServed
+
+
+class SessionCounters(msgspec.Struct, frozen=True):
+    open: int = 0
+    main_turns: int = 0
+    waiting: int = 0
+    judging: int = 0
+    closed: int = 0
+    mask1: int = 0
+    mask0: int = 0
+    promoted: int = 0
+
+
+class Activity(msgspec.Struct):
+    state: str
+    main_turns: int
+    samples: int
+    at: float
+
+
+class SessionsPanel(Widget):
+    DEFAULT_CSS = """
+    SessionsPanel { border: round $primary; padding: 0 1; height: 1fr; }
+    """
+
+    counters: reactive[SessionCounters] = reactive(SessionCounters, always_update=True)  # repaint the "ago"s
+    recent: reactive[OrderedDict[str, Activity]] = reactive(OrderedDict, init=False)
+
+    def __init__(self, *, shown: int = 5, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.shown = shown
+
+    def on_mount(self) -> None:
+        self.border_title = "sessions"
+
+    def apply_snapshot(self, sessions: dict[str, Any]) -> None:
+        self.counters = SessionCounters(
+            open=sessions.get("sessions_open", 0),
+            main_turns=sessions.get("main_turns", 0),
+            waiting=sessions.get("sessions_waiting_next_state", 0),
+            judging=sessions.get("judging", 0),
+            closed=sessions.get("sessions_closed", 0),
+            mask1=sessions.get("samples_mask1", 0),
+            mask0=sessions.get("samples_mask0", 0),
+            promoted=sessions.get("samples_promoted", 0),
+        )
+
+    def observe(self, event: SessionChanged | TurnServed | SampleReady) -> None:
+        match event:
+            case SessionChanged(session_id=sid, state=state, main_turns=turns, at=at):
+                self._touch(sid, at, state=state, main_turns=turns)
+            case TurnServed(session_id=sid, turn_type="main", index=index, at=at):
+                self._touch(sid, at, main_turns=index + 1)
+            case SampleReady(sample=sample, at=at):
+                activity = self._touch(sample.session_id, at)
+                activity.samples += 1
+            case _:
+                return
+        self.mutate_reactive(SessionsPanel.recent)
+
+    def _touch(self, session_id: str, at: float, *, state: str | None = None, main_turns: int | None = None) -> Activity:
+        activity = self.recent.pop(session_id, None) or Activity(state="open", main_turns=0, samples=0, at=at)
+        activity.at = max(activity.at, at)
+        if state is not None:
+            activity.state = state
+        if main_turns is not None:
+            activity.main_turns = max(activity.main_turns, main_turns)
+        self.recent[session_id] = activity  # most recent last
+        while len(self.recent) > 100:
+            self.recent.popitem(last=False)
+        return activity
+
+    def render(self) -> Table:
+        c = self.counters
+        table = Table.grid(padding=(0, 1), expand=True)
+        table.add_column(ratio=1)
+        table.add_column(justify="right")
+        table.add_row("open", Text(str(c.open), style="bold"))
+        table.add_row("main turns", str(c.main_turns))
+        table.add_row("waiting for next state", str(c.waiting))
+        table.add_row("judging", Text(str(c.judging), style="bold #e0af68" if c.judging else ""))
+        table.add_row("closed", str(c.closed))
+        table.add_row("samples mask 1 / 0 / promoted", f"{c.mask1} / {c.mask0} / {c.promoted}")
+        now = time.time()
+        for session_id, activity in list(reversed(self.recent.items()))[: self.shown]:
+            label = Text(session_id[:18] + ("…" if len(session_id) > 18 else ""), style="dim" if activity.state == "closed" else "")
+            table.add_row(label, Text(f"{activity.main_turns} turns · {activity.state} · {now - activity.at:.0f}s ago", style="dim"))
+        return table
