@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     serve = commands.add_parser("serve", help="serve the model and learn from its conversations (default)")
     config_mod.add_flags(serve)
     bench = commands.add_parser("bench", help="benchmarks, each a ratio against a baseline in the same run")
-    bench.add_argument("which", choices=["serve"], help="serve: proxy overhead and batching speed-up")
+    bench.add_argument("which", choices=["serve", "train"], help="serve: proxy overhead and batching; train: step, swap and stall")
     bench.add_argument("--repeats", type=int, default=5)
     bench.add_argument("--max-tokens", type=int, default=32)
     config_mod.add_flags(bench)

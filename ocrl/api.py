@@ -136,13 +136,14 @@ def _header_bool(value: str | None) -> bool | None:
 class Api:
     """Builds the Starlette app around an engine, a tokenizer and the sessions."""
 
-    def __init__(self, config, engine, tokenizer, sessions, *, stats=None, events=None):
+    def __init__(self, config, engine, tokenizer, sessions, *, stats=None, events=None, control=None):
         self.config = config
         self.engine = engine
         self.tokenizer = tokenizer
         self.sessions = sessions
         self.stats = stats or (lambda: {})
         self.events = events
+        self.control = control  # pause_training(), resume_training(), async save_checkpoint()
         self.served_name = config.served_model_name or engine.name
         self.started = time.time()
         self.in_flight = 0
@@ -152,6 +153,10 @@ class Api:
                 Route("/v1/models", self.models, methods=["GET"]),
                 Route("/healthz", self.healthz, methods=["GET"]),
                 Route("/v1/ocrl/stats", self.ocrl_stats, methods=["GET"]),
+                Route("/v1/ocrl/events", self.ocrl_events, methods=["GET"]),
+                Route("/v1/ocrl/train/pause", self.ocrl_pause, methods=["POST"]),
+                Route("/v1/ocrl/train/resume", self.ocrl_resume, methods=["POST"]),
+                Route("/v1/ocrl/checkpoint", self.ocrl_checkpoint, methods=["POST"]),
             ],
             exception_handlers={404: self._not_found, 405: self._not_allowed},
         )
@@ -183,6 +188,50 @@ class Api:
 
     async def ocrl_stats(self, request: Request) -> Response:
         return json_response(self.stats())
+
+    async def ocrl_events(self, request: Request) -> Response:
+        """Server-sent events: every daemon Event, msgspec JSON, recent history first."""
+        if self.events is None:
+            return error_response(ApiError(404, "no event stream in this process", code="not_found"))
+
+        async def stream():
+            with self.events.subscribe(replay=True) as subscription:
+                yield b": ocrl events\n\n"
+                while True:
+                    with anyio.move_on_after(15) as idle:
+                        event = await subscription.get()
+                    if idle.cancelled_caught:
+                        yield b": keep-alive\n\n"
+                        continue
+                    yield b"data: " + _encoder.encode(event) + b"\n\n"
+
+        return StreamingResponse(stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    def _training_control(self):
+        if self.control is None or not self.control.training:
+            raise ApiError(409, "training is off in this daemon (--no-train)", code="training_disabled")
+        return self.control
+
+    async def ocrl_pause(self, request: Request) -> Response:
+        try:
+            self._training_control().pause_training()
+        except ApiError as e:
+            return error_response(e)
+        return json_response({"paused": True})
+
+    async def ocrl_resume(self, request: Request) -> Response:
+        try:
+            self._training_control().resume_training()
+        except ApiError as e:
+            return error_response(e)
+        return json_response({"paused": False})
+
+    async def ocrl_checkpoint(self, request: Request) -> Response:
+        try:
+            path = await self._training_control().save_checkpoint()
+        except ApiError as e:
+            return error_response(e)
+        return json_response({"checkpoint": str(path) if path else None})
 
     async def chat_completions(self, request: Request) -> Response:
         try:

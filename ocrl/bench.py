@@ -1,6 +1,11 @@
 """Benchmarks. Each prints ratios against a baseline measured in the same run, medians of
 repeats, because timings on shared machines swing several-fold between runs.
 
+- `train`: (a) one trainer step (reference + policy forward, backward, AdamW, merge, probe) over
+  a bare torch forward + backward + AdamW step of the same LoRA model on the same batch; (b) a
+  weight swap into the engine over one forward pass of the model; (c) the longest gap between
+  streamed tokens of a request while a step and its swap run, over the median decode step
+  without training.
 - `serve`: (a) the proxy's median end-to-end latency over calling the engine directly with the
   same prompt and sampling (the overhead of HTTP, validation, templating, sessions); (b) the wall
   time of 8 concurrent requests over 8 sequential ones (what batched decoding buys).
@@ -32,6 +37,8 @@ PROMPTS = [
 async def run(which: str, config, args) -> None:
     if which == "serve":
         await bench_serve(config, args.repeats, args.max_tokens)
+    elif which == "train":
+        await bench_train(config, args.repeats, args.max_tokens)
 
 
 async def bench_serve(config, repeats: int, max_tokens: int) -> None:
@@ -97,3 +104,86 @@ async def bench_serve(config, repeats: int, max_tokens: int) -> None:
     print(f"  proxy / engine latency      {proxy_med / engine_med:6.3f}x   ({proxy_med * 1000:.0f} ms vs {engine_med * 1000:.0f} ms)")
     print(f"  proxy overhead              {overhead * 100:6.2f}% of end-to-end latency (target <= 5%)")
     print(f"  8 concurrent / 8 sequential {conc_med / seq_med:6.3f}x   ({conc_med:.2f} s vs {seq_med:.2f} s; target <= 0.5x)")
+
+
+async def bench_train(config, repeats: int, max_tokens: int) -> None:
+    import torch
+
+    from ocrl import models
+    from ocrl.engine.hf import HFEngine
+    from ocrl.train.loss import token_logprobs
+    from ocrl.train.trainer import Trainer, _MicroBatch
+    from ocrl.types import Sample
+
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    loaded = await anyio.to_thread.run_sync(lambda: models.load(config.model, device=config.device, dtype=config.dtype))
+    engine = HFEngine(loaded, max_batch_size=config.max_batch_size)
+    size = config.rollout_batch_size
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(engine.run)
+        # 1. a batch of real completions
+        batch = []
+        for i in range(size):
+            ids = chat.prompt_ids(loaded.tokenizer, [Message(role="user", content=PROMPTS[i % len(PROMPTS)])])
+            c = await engine.generate(ids, SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=i))
+            n = len(c.response_ids)
+            batch.append(Sample(sample_id=str(i), session_id="bench", turn_index=i, tokens=ids + c.response_ids, response_length=n,
+                                loss_mask=[1] * n, rollout_logprobs=c.logprobs, reward=1.0 if i % 2 else -1.0, weights_version=0, score=1))
+        trainer = await anyio.to_thread.run_sync(lambda: Trainer(config, loaded.model, engine=engine))
+        bare_optimizer = torch.optim.AdamW(trainer.params, lr=config.lr)
+
+        def bare_step() -> None:  # the baseline: what any training loop must do at least
+            micro = _MicroBatch.of(batch, trainer.device)
+            out = trainer.model(input_ids=micro.input_ids, attention_mask=micro.attention_mask, position_ids=micro.position_ids,
+                                use_cache=False, logits_to_keep=micro.targets.shape[1] + 1)
+            logprobs = token_logprobs(out.logits[:, :-1], micro.targets)
+            loss = -(logprobs * micro.rewards[:, None] * micro.loss_mask).sum() / micro.loss_mask.sum()
+            loss.backward()
+            bare_optimizer.step()
+            bare_optimizer.zero_grad(set_to_none=True)
+
+        def timed(fn, *a) -> float:
+            started = time.perf_counter()
+            fn(*a)
+            return time.perf_counter() - started
+
+        step_s, bare_s, swap_s, forward_s = [], [], [], []
+        trainer.probe = batch[0]
+        await anyio.to_thread.run_sync(bare_step)  # warm-up
+        for _ in range(repeats):
+            bare_s.append(await anyio.to_thread.run_sync(timed, bare_step))
+            step_s.append(await anyio.to_thread.run_sync(timed, trainer._train, batch))
+            tensors = trainer.published_weights()
+            started = time.perf_counter()
+            await engine.update_weights(tensors, engine.weights_version + 1)
+            swap_s.append(time.perf_counter() - started)
+            prompt, response = batch[0].tokens[: -batch[0].response_length], batch[0].tokens[-batch[0].response_length :]
+            started = time.perf_counter()
+            await engine.score(prompt, response)
+            forward_s.append(time.perf_counter() - started)
+
+        # 2. stalls: gaps between streamed tokens, without and with a step + swap running
+        async def gaps(during=None) -> list[float]:
+            out, last = [], None
+            params = SamplingParams(max_tokens=400, temperature=1.0, seed=1)
+            ids = chat.prompt_ids(loaded.tokenizer, [Message(role="user", content="Write a long story about the sea.")])
+            async with anyio.create_task_group() as inner:
+                if during is not None:
+                    inner.start_soon(during)
+                async for _ in engine.stream(ids, params):
+                    now = time.perf_counter()
+                    if last is not None:
+                        out.append(now - last)
+                    last = now
+            return out
+
+        quiet = await gaps()
+        busy = await gaps(lambda: trainer.step(batch))
+        tg.cancel_scope.cancel()
+    med = statistics.median
+    decode = med(quiet)
+    print(f"bench train: {config.model}, LoRA r={config.lora_rank}, batch {size} x ~{max_tokens} tokens, {repeats} repeats (medians)")
+    print(f"  trainer step / bare fwd+bwd+step   {med(step_s) / med(bare_s):6.3f}x   ({med(step_s):.2f} s vs {med(bare_s):.2f} s; target <= 1.3x)")
+    print(f"  swap / one forward pass            {med(swap_s) / med(forward_s):6.3f}x   ({med(swap_s) * 1000:.0f} ms vs {med(forward_s) * 1000:.0f} ms; target < 1x)")
+    print(f"  longest stall / decode step        {max(busy) / decode:6.2f}x   ({max(busy) * 1000:.0f} ms vs {decode * 1000:.0f} ms over {len(busy)} tokens; target <= 1x)")

@@ -144,7 +144,7 @@ class Daemon:
             if config.resume:
                 restored = self.trainer.load_latest()
                 log.info("resumed from %s", restored) if restored else log.info("--resume: no checkpoint yet")
-        self.api = Api(config, self.engine, loaded.tokenizer, self.sessions, stats=self.stats, events=self.events)
+        self.api = Api(config, self.engine, loaded.tokenizer, self.sessions, stats=self.stats, events=self.events, control=self)
         self._requeue_backlog()
 
     async def _build_judge(self, loaded):
@@ -213,6 +213,22 @@ class Daemon:
             },
             "training": self._training_stats(),
         }
+
+    # controls the dashboard and /v1/ocrl/* reach
+    @property
+    def training(self) -> bool:
+        return self.trainer is not None
+
+    def pause_training(self) -> None:
+        self.trainer.pause()
+        self.events.log("info", "training paused")
+
+    def resume_training(self) -> None:
+        self.trainer.resume()
+        self.events.log("info", "training resumed")
+
+    async def save_checkpoint(self):
+        return await self.trainer.save_checkpoint()
 
     def _training_stats(self) -> dict:
         trainer = self.trainer

@@ -80,17 +80,17 @@ class EnginePanel(Widget):
     def render(self) -> Table:
         s = self.state
         table = Table.grid(padding=(0, 1), expand=True)
-        table.add_column(ratio=1)
-        table.add_column(justify="right")
+        table.add_column(no_wrap=True, style="dim")
+        table.add_column(justify="right", no_wrap=True, overflow="ellipsis", ratio=1)
         table.add_row("model", Text(s.model, style="bold"))
-        table.add_row("weights version", Text(f"v{s.weights_version}", style="bold #9ece6a"))
+        table.add_row("version", Text(f"v{s.weights_version}", style="bold #9ece6a"))
         table.add_row("tokens/s", "—" if s.tokens_per_s is None else f"{s.tokens_per_s:.1f}")
-        table.add_row("queue depth · active", f"{s.queue_depth} · {s.active}")
-        table.add_row("turns served", str(s.turns))
+        table.add_row("queue · active", f"{s.queue_depth} · {s.active}")
+        table.add_row("turns seen", str(s.turns))
         swap = self.last_swap
         if swap is None:
             table.add_row("last swap", "—")
         else:
-            mark = Text(" ✓", style="#9ece6a") if swap.verified else Text(" ✗ unverified", style="bold red")
-            table.add_row("last swap", Text(f"v{swap.weights_version} in {swap.seconds:.2f}s, {ago(time.time() - swap.at)}") + mark)
+            mark = Text("✓ ", style="#9ece6a") if swap.verified else Text("✗ unverified ", style="bold red")
+            table.add_row("last swap", mark + Text(f"v{swap.weights_version} in {swap.seconds:.2f}s, {ago(time.time() - swap.at)}"))
         return table

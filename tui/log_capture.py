@@ -9,24 +9,35 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import Callable
 
 from tui.messages import LogLine
 
 
-def _to_terminal(handler: logging.Handler) -> bool:
+def _standard_streams() -> set:
+    return {id(stream) for stream in (sys.stderr, sys.stdout, sys.__stderr__, sys.__stdout__) if stream is not None}
+
+
+def _to_terminal(handler: logging.Handler, standard: set) -> bool:
     if isinstance(handler, logging.FileHandler) or not isinstance(handler, logging.StreamHandler):
         return False
-    return handler.stream in (sys.stderr, sys.stdout, sys.__stderr__, sys.__stdout__)
+    stream = handler.stream
+    if id(stream) in standard:
+        return True
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):  # no isatty, or a closed stream
+        return False
 
 
 class _ToDashboard(logging.Handler):
-    def __init__(self, app, level: int):
+    def __init__(self, post: Callable[[LogLine], object], level: int):
         super().__init__(level)
-        self.app = app
+        self.post = post
 
     def emit(self, record: logging.LogRecord) -> None:
-        try:  # post_message is safe from worker threads (torch work logs from there)
-            self.app.post_message(LogLine(record.levelname, record.getMessage()))
+        try:  # Textual's post_message is safe from worker threads (torch work logs from there)
+            self.post(LogLine(record.levelname, record.getMessage()))
         except Exception:
             self.handleError(record)
 
@@ -34,8 +45,10 @@ class _ToDashboard(logging.Handler):
 class LogCapture:
     """Moves terminal handlers aside while the app runs; `release()` puts them back."""
 
-    def __init__(self, app, level: int = logging.INFO):
-        self.handler = _ToDashboard(app, level)
+    def __init__(self, post: Callable[[LogLine], object], level: int = logging.INFO):
+        # Taken now: once the app runs, sys.stderr is Textual's own capture.
+        self.standard = _standard_streams()
+        self.handler = _ToDashboard(post, level)
         self.moved: list[tuple[logging.Logger, logging.Handler]] = []
 
     def adopt(self) -> None:
@@ -44,7 +57,7 @@ class LogCapture:
         ]
         for logger in loggers:
             for handler in list(logger.handlers):
-                if _to_terminal(handler):
+                if _to_terminal(handler, self.standard):
                     logger.removeHandler(handler)
                     self.moved.append((logger, handler))
                     if logger is not logging.getLogger() and not logger.propagate:

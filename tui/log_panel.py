@@ -12,7 +12,7 @@ LEVEL_STYLES = {"debug": "dim", "info": "", "warning": "#e0af68", "error": "bold
 
 class LogPanel(RichLog):
     DEFAULT_CSS = """
-    LogPanel { height: 5; border: round $primary-darken-2; padding: 0 1; }
+    LogPanel { height: 4; border: round $primary-darken-2; padding: 0 1; }
     """
 
     def __init__(self, **kwargs) -> None:

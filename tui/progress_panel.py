@@ -18,17 +18,17 @@ class TaskProgress(Horizontal):
 
     def __init__(self, progress: Progress, **kwargs) -> None:
         super().__init__(**kwargs)
-        self.task = progress.task
+        self.task_name = progress.task
         self._first = progress
 
     def compose(self) -> ComposeResult:
-        yield Label(self.task)
+        yield Label(self.task_name)
         yield ProgressBar(total=self._first.total or None, show_eta=False)
 
     def on_mount(self) -> None:
-        self.update(self._first)
+        self.set_progress(self._first)
 
-    def update(self, progress: Progress) -> None:
+    def set_progress(self, progress: Progress) -> None:
         self.query_one(ProgressBar).update(total=progress.total or None, progress=progress.done)
 
 
@@ -42,13 +42,13 @@ class ProgressPanel(Vertical):
         self.linger = linger  # seconds a finished bar stays up
         self.tasks: dict[str, TaskProgress] = {}
 
-    def show(self, progress: Progress) -> None:
+    def report(self, progress: Progress) -> None:
         bar = self.tasks.get(progress.task)
         if bar is None:
             bar = self.tasks[progress.task] = TaskProgress(progress)
             self.mount(bar)
         else:
-            bar.update(progress)
+            bar.set_progress(progress)
         if progress.total and progress.done >= progress.total:
             self.set_timer(self.linger, lambda: self._finish(progress.task, bar))
 

@@ -16,6 +16,7 @@ from textual.reactive import reactive
 from textual.widget import Widget
 
 from ocrl.types import SampleReady, SessionChanged, TurnServed
+from tui.engine_panel import ago
 
 
 class SessionCounters(msgspec.Struct, frozen=True):
@@ -32,7 +33,6 @@ class SessionCounters(msgspec.Struct, frozen=True):
 class Activity(msgspec.Struct):
     state: str
     main_turns: int
-    samples: int
     at: float
 
 
@@ -70,14 +70,13 @@ class SessionsPanel(Widget):
             case TurnServed(session_id=sid, turn_type="main", index=index, at=at):
                 self._touch(sid, at, main_turns=index + 1)
             case SampleReady(sample=sample, at=at):
-                activity = self._touch(sample.session_id, at)
-                activity.samples += 1
+                self._touch(sample.session_id, at, main_turns=sample.turn_index + 1)
             case _:
                 return
         self.mutate_reactive(SessionsPanel.recent)
 
-    def _touch(self, session_id: str, at: float, *, state: str | None = None, main_turns: int | None = None) -> Activity:
-        activity = self.recent.pop(session_id, None) or Activity(state="open", main_turns=0, samples=0, at=at)
+    def _touch(self, session_id: str, at: float, *, state: str | None = None, main_turns: int | None = None) -> None:
+        activity = self.recent.pop(session_id, None) or Activity(state="open", main_turns=0, at=at)
         activity.at = max(activity.at, at)
         if state is not None:
             activity.state = state
@@ -86,21 +85,20 @@ class SessionsPanel(Widget):
         self.recent[session_id] = activity  # most recent last
         while len(self.recent) > 100:
             self.recent.popitem(last=False)
-        return activity
 
     def render(self) -> Table:
         c = self.counters
         table = Table.grid(padding=(0, 1), expand=True)
-        table.add_column(ratio=1)
-        table.add_column(justify="right")
+        table.add_column(no_wrap=True, overflow="ellipsis")
+        table.add_column(justify="right", no_wrap=True, overflow="ellipsis", ratio=1)
         table.add_row("open", Text(str(c.open), style="bold"))
         table.add_row("main turns", str(c.main_turns))
-        table.add_row("waiting for next state", str(c.waiting))
+        table.add_row("waiting next state", str(c.waiting))
         table.add_row("judging", Text(str(c.judging), style="bold #e0af68" if c.judging else ""))
         table.add_row("closed", str(c.closed))
-        table.add_row("samples mask 1 / 0 / promoted", f"{c.mask1} / {c.mask0} / {c.promoted}")
+        table.add_row("mask 1 · 0 · promoted", f"{c.mask1} · {c.mask0} · {c.promoted}")
         now = time.time()
         for session_id, activity in list(reversed(self.recent.items()))[: self.shown]:
-            label = Text(session_id[:18] + ("…" if len(session_id) > 18 else ""), style="dim" if activity.state == "closed" else "")
-            table.add_row(label, Text(f"{activity.main_turns} turns · {activity.state} · {now - activity.at:.0f}s ago", style="dim"))
+            label = Text(session_id, style="dim" if activity.state == "closed" else "")
+            table.add_row(label, Text(f"{activity.state} · {activity.main_turns} turns · {ago(now - activity.at)}", style="dim"))
         return table

@@ -17,7 +17,7 @@ widgets; the dashboard knows nothing about HTTP or the daemon's insides.
 
 from __future__ import annotations
 
-import math
+from collections import deque
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -151,9 +151,33 @@ async def sse_data(lines: AsyncIterator[str]) -> AsyncIterator[str]:
         yield "\n".join(data)
 
 
+REPLAY_MEMORY = 4096  # more than the daemon's replayed history (Events.history, 500)
+
+
+class _Recent:
+    """Membership of the last `size` payloads seen (by hash: every event carries its own
+    timestamp, so two distinct events never encode to the same bytes)."""
+
+    def __init__(self, size: int):
+        self.order: deque[int] = deque()
+        self.members: set[int] = set()
+        self.size = size
+
+    def add(self, data: str) -> bool:
+        """True when `data` is new."""
+        key = hash(data)
+        if key in self.members:
+            return False
+        self.members.add(key)
+        self.order.append(key)
+        if len(self.order) > self.size:
+            self.members.discard(self.order.popleft())
+        return True
+
+
 class RemoteSource(Source):
     """A daemon over HTTP. The event stream reconnects on its own; the daemon replays its
-    history on each connect, so events already delivered are skipped by their timestamp."""
+    history on each connect, so events already delivered are recognised and skipped."""
 
     def __init__(self, url: str, api_key: str = "", *, reconnect_delay: float = 1.0, timeout: float = 10.0):
         import httpx
@@ -171,7 +195,7 @@ class RemoteSource(Source):
     async def events(self) -> AsyncIterator[Event]:
         httpx = self._httpx
         delay = self.reconnect_delay
-        last_at, raw_at_last = -math.inf, set()  # the newest timestamp delivered, and its payloads
+        delivered = _Recent(REPLAY_MEMORY)
         while True:
             try:
                 stream = self._client.stream(
@@ -182,17 +206,12 @@ class RemoteSource(Source):
                     reply.raise_for_status()
                     self.connected, self.last_error, delay = True, None, self.reconnect_delay
                     async for data in sse_data(reply.aiter_lines()):
+                        if not delivered.add(data):
+                            continue  # replayed after a reconnect: the same bytes, the same event
                         try:
-                            event = _event_decoder.decode(data)
+                            yield _event_decoder.decode(data)
                         except msgspec.DecodeError as e:  # a newer daemon's event: skip it, keep going
                             self.last_error = f"undecodable event: {e}"
-                            continue
-                        if event.at < last_at or (event.at == last_at and data in raw_at_last):
-                            continue  # replayed after a reconnect
-                        if event.at > last_at:
-                            last_at, raw_at_last = event.at, set()
-                        raw_at_last.add(data)
-                        yield event
                 self.last_error = "event stream ended"
             except httpx.HTTPError as e:
                 self.last_error = f"{type(e).__name__}: {e}"
