@@ -20,6 +20,17 @@ def run_async(fn, *args) -> None:
         anyio.run(fn, *args)
 
 
+def add_simulation_flags(parser: argparse.ArgumentParser) -> None:
+    from ocrl.simulate import PERSONAS
+
+    parser.add_argument("--persona", choices=sorted(PERSONAS), default="brief")
+    parser.add_argument("--turns", type=int, default=200, help="learn: main turns to simulate")
+    parser.add_argument("--concurrency", type=int, default=8, help="sessions at once")
+    parser.add_argument("--tasks", type=int, default=2, help="tasks per session")
+    parser.add_argument("--probe-every", type=int, default=2, help="learn: probe every N training steps")
+    parser.add_argument("--probe-samples", type=int, default=2, help="learn: samples per probe prompt")
+
+
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is ever fetched from a model hub
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -28,16 +39,29 @@ def main(argv: list[str] | None = None) -> int:
     serve = commands.add_parser("serve", help="serve the model and learn from its conversations (default)")
     config_mod.add_flags(serve)
     bench = commands.add_parser("bench", help="benchmarks, each a ratio against a baseline in the same run")
-    bench.add_argument("which", choices=["serve", "train"], help="serve: proxy overhead and batching; train: step, swap and stall")
+    bench.add_argument("which", choices=["serve", "train", "learn"], help="serve: proxy overhead and batching; train: step, swap and stall; learn: a learning curve")
     bench.add_argument("--repeats", type=int, default=5)
-    bench.add_argument("--max-tokens", type=int, default=32)
+    bench.add_argument("--max-tokens", type=int, default=None, help="completion tokens per request (serve/train 32, learn 48)")
+    add_simulation_flags(bench)
     config_mod.add_flags(bench)
+    sim = commands.add_parser("simulate", help="scripted users with a hidden preference talk to a running daemon")
+    sim.add_argument("--url", default="http://127.0.0.1:30000/v1")
+    sim.add_argument("--api-key", default=os.environ.get("OCRL_API_KEY", ""))
+    sim.add_argument("--sessions", type=int, default=8)
+    sim.add_argument("--seed", type=int, default=0)
+    sim.add_argument("--max-tokens", type=int, default=48)
+    add_simulation_flags(sim)
     args = parser.parse_args(argv if argv is not None else (sys.argv[1:] or ["serve"]))
     if args.command is None:
         args = parser.parse_args(["serve", *(argv or sys.argv[1:])])
     from ocrl.daemon import setup_logging
 
     setup_logging()
+    if args.command == "simulate":
+        from ocrl import simulate
+
+        run_async(simulate.run, args.url, args.api_key, args.persona, args.sessions, args.concurrency, args.tasks, args.seed, args.max_tokens)
+        return 0
     try:
         config = config_mod.load(args)
     except (config_mod.ConfigError, OSError) as e:

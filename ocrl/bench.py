@@ -36,9 +36,16 @@ PROMPTS = [
 
 async def run(which: str, config, args) -> None:
     if which == "serve":
-        await bench_serve(config, args.repeats, args.max_tokens)
+        await bench_serve(config, args.repeats, args.max_tokens or 32)
     elif which == "train":
-        await bench_train(config, args.repeats, args.max_tokens)
+        await bench_train(config, args.repeats, args.max_tokens or 32)
+    elif which == "learn":
+        from ocrl.learn import bench_learn
+
+        await bench_learn(
+            config, persona_name=args.persona, turns=args.turns, concurrency=args.concurrency, probe_every=args.probe_every,
+            tasks=args.tasks, max_tokens=args.max_tokens or 48, probe_samples=args.probe_samples,
+        )
 
 
 async def bench_serve(config, repeats: int, max_tokens: int) -> None:

@@ -186,7 +186,9 @@ class Daemon:
             self.queued += 1
 
     def _requeue_backlog(self) -> None:
-        backlog = self.records.backlog()
+        # Resumed: samples trained after the checkpoint we restored are trained again, once.
+        resumed_at = self.trainer.steps if (self.trainer is not None and self.config.resume) else None
+        backlog = self.records.backlog(trained_through=resumed_at)
         self.backlog_at_start = len(backlog)
         if backlog:
             log.info("journal: %d samples collected earlier and not yet trained on", len(backlog))

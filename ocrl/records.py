@@ -24,6 +24,14 @@ _encoder = msgspec.json.Encoder()
 _sample_decoder = msgspec.json.Decoder(Sample)
 
 
+class Consumed(msgspec.Struct, array_like=True):
+    id: str
+    step: int | None
+
+
+_consumed_decoder = msgspec.json.Decoder(Consumed | str)
+
+
 def new_run_dir(root: str = "runs") -> Path:
     stamp = time.strftime("%Y%m%d-%H%M%S")
     path = Path(root) / stamp
@@ -66,12 +74,26 @@ class Records:
         self._journal = _Appender(self.dir / "journal.jsonl", durable=True)
         self._consumed = _Appender(self.dir / "consumed.jsonl", durable=True)
 
-    def backlog(self) -> list[Sample]:
-        """Samples journaled by an earlier process and not yet trained on, in journal order."""
-        consumed = set()
+    def consumed_ids(self, trained_through: int | None = None) -> set[str]:
+        """Ids marked consumed. With `trained_through` (the step of the checkpoint a resumed run
+        starts from), ids trained by later steps do not count: those weights were lost, so the
+        samples go back in the queue and are trained once into the weights that survive."""
         path = self.dir / "consumed.jsonl"
-        if path.exists():
-            consumed = {line.strip().strip(b'"').decode() for line in path.read_bytes().splitlines() if line.strip()}
+        ids = set()
+        for line in path.read_bytes().splitlines() if path.exists() else []:
+            try:
+                row = _consumed_decoder.decode(line)
+            except msgspec.DecodeError:
+                continue  # a torn last line
+            if isinstance(row, str):
+                ids.add(row)
+            elif trained_through is None or row.step is None or row.step <= trained_through:
+                ids.add(row.id)
+        return ids
+
+    def backlog(self, trained_through: int | None = None) -> list[Sample]:
+        """Samples journaled by an earlier process and not yet trained on, in journal order."""
+        consumed = self.consumed_ids(trained_through)
         seen, out = set(), []
         path = self.dir / "journal.jsonl"
         for line in path.read_bytes().splitlines() if path.exists() else []:
@@ -98,9 +120,10 @@ class Records:
     def journal(self, sample: Sample) -> None:
         self._journal.write(sample)
 
-    def consumed(self, sample_ids: list[str]) -> None:
+    def consumed(self, sample_ids: list[str], step: int | None = None) -> None:
+        """Marks samples used: by training step `step`, or (None) excluded by rule (mask 0)."""
         for sample_id in sample_ids:
-            self._consumed.write(sample_id)
+            self._consumed.write(Consumed(sample_id, step))
 
     def _text(self, obj: dict, *keys: str) -> dict:
         if not self.record_text:

@@ -172,8 +172,8 @@ async def test_sigkill_after_journaling_requeues_samples_none_twice(tmp_path):
     try:
         assert second.stats()["samples"]["journal_backlog_at_start"] == 3
         await wait_for(lambda: len(read_jsonl(run_dir / "metrics.jsonl")) >= 1, timeout=300)
-        consumed = [line.strip(b'"') for line in (run_dir / "consumed.jsonl").read_bytes().split()]
-        assert sorted(c.decode() for c in consumed) == sorted(journaled)  # each exactly once
+        consumed = [row[0] for row in read_jsonl(run_dir / "consumed.jsonl")]  # [sample id, step]
+        assert sorted(consumed) == sorted(journaled)  # each exactly once
         assert read_jsonl(run_dir / "metrics.jsonl")[0]["samples"] == 3
     finally:
         assert second.stop() == 0

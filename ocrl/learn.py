@@ -1,0 +1,158 @@
+"""The learning-curve experiment behind `python -m ocrl bench learn`: a daemon in this process,
+a baseline probe, simulated users with a hidden preference talking to it, probes every few
+training steps, a final probe. Writes `learning.jsonl` and `learning.png` into the run directory
+and prints the baseline and final pass rate, the turns and wall time it took, and the judge's
+agreement with the hidden rule on the turns it judged.
+
+The rewards come from the PRM reading the users' words; the rule only writes those words and
+scores the probes.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import anyio
+import msgspec
+
+from ocrl import simulate
+
+log = logging.getLogger("ocrl.learn")
+
+
+def judge_agreement(feedback: list[simulate.Judged], verdicts_path: Path) -> dict:
+    """How often the PRM's verdict on a turn matched the hidden rule (+1 when it held, -1 when
+    not). A 0 verdict is an abstention: counted in coverage, not as agreement."""
+    scores = {}
+    for line in verdicts_path.read_bytes().splitlines() if verdicts_path.exists() else []:
+        row = msgspec.json.decode(line)
+        scores[(row["session_id"], row["turn_index"])] = row["score"]
+    judged = [(f.passed, scores[(f.session_id, f.turn_index)]) for f in feedback if (f.session_id, f.turn_index) in scores]
+    decided = [(p, s) for p, s in judged if s != 0]
+    agree = sum((s == 1) == p for p, s in decided)
+    return {
+        "judged": len(judged),
+        "decided": len(decided),
+        "agreement": agree / len(decided) if decided else float("nan"),
+        "coverage": len(decided) / len(judged) if judged else float("nan"),
+    }
+
+
+def plot(rows: list[dict], path: Path, title: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log.warning("matplotlib is not installed: no %s", path.name)
+        return
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
+    turns = [r["main_turns"] for r in rows]
+    ax.plot(turns, [r["pass_rate"] for r in rows], "o-", label="probe pass rate (hidden rule)")
+    rewarded = [(r["main_turns"], r["reward_mean"]) for r in rows if r.get("reward_mean") is not None]
+    if rewarded:
+        ax.plot([t for t, _ in rewarded], [(m + 1) / 2 for _, m in rewarded], "s--", label="(mean reward + 1) / 2, last step")
+    ax.set_xlabel("main turns")
+    ax.set_ylim(0, 1)
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+async def bench_learn(config, *, persona_name: str, turns: int, concurrency: int, probe_every: int, tasks: int, max_tokens: int, probe_samples: int) -> dict:
+    from openai import AsyncOpenAI
+
+    from ocrl.daemon import Daemon
+
+    persona = simulate.PERSONAS[persona_name]
+    config = msgspec.structs.replace(config, no_train=False, port=config.port if config.port != 30000 else 30998)
+    daemon = Daemon(config)
+    await daemon.build()
+    run_dir = daemon.run_dir
+    rows: list[dict] = []
+    started = time.monotonic()
+    base_url = f"http://{config.host}:{config.port}/v1"
+    summary: dict = {}
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(daemon.serve)
+        while daemon.server is None or not daemon.server.started:
+            await anyio.sleep(0.05)
+        async with AsyncOpenAI(base_url=base_url, api_key=config.api_key or "none", timeout=900, max_retries=0) as client:
+            sim = simulate.Simulator(client, persona, max_tokens=max_tokens, seed=config.seed)
+
+            async def measure(tag: str) -> None:
+                result = await simulate.probe(client, persona, max_tokens=max_tokens, samples=probe_samples)
+                trainer = daemon.trainer
+                row = {
+                    "tag": tag, "main_turns": sim.stats.main_turns, "step": trainer.steps, "weights_version": daemon.engine.weights_version,
+                    "pass_rate": result["pass_rate"], "probes": result["n"], "probe_versions": result["weights_versions"],
+                    "reward_mean": trainer.last_metrics.get("reward_mean"), "seconds": round(time.monotonic() - started, 1),
+                    **judge_agreement(sim.stats.feedback, run_dir / "verdicts.jsonl"),
+                }
+                rows.append(row)
+                with open(run_dir / "learning.jsonl", "ab") as f:
+                    f.write(msgspec.json.encode(row) + b"\n")
+                log.info("probe %s: pass rate %.2f at %d main turns, step %d", tag, row["pass_rate"], row["main_turns"], row["step"])
+
+            # 1. baseline, 2. simulated traffic with probes every `probe_every` steps, 3. final
+            await measure("baseline")
+            limiter = anyio.Semaphore(concurrency)
+
+            async def one(i: int) -> None:
+                try:
+                    await sim.session(f"learn-{i}", tasks=tasks)
+                finally:
+                    limiter.release()
+
+            async def probes() -> None:
+                next_probe = probe_every
+                while True:
+                    await anyio.sleep(0.5)
+                    if daemon.trainer.steps >= next_probe:
+                        next_probe = daemon.trainer.steps + probe_every
+                        await measure(f"step-{daemon.trainer.steps}")
+
+            async with anyio.create_task_group() as watch:
+                watch.start_soon(probes)
+                async with anyio.create_task_group() as sessions:
+                    i = 0
+                    while True:
+                        await limiter.acquire()
+                        if sim.stats.main_turns >= turns:
+                            limiter.release()
+                            break
+                        sessions.start_soon(one, i)
+                        i += 1
+                watch.cancel_scope.cancel()
+            # let the trainer take the step its queue already holds, then the final probe
+            with anyio.move_on_after(600):
+                while daemon.trainer.pending >= config.rollout_batch_size:
+                    await anyio.sleep(0.5)
+            await measure("final")
+            summary = {
+                "persona": persona.name, "baseline": rows[0]["pass_rate"], "final": rows[-1]["pass_rate"],
+                "main_turns": sim.stats.main_turns, "sessions": sim.stats.sessions, "failed_requests": sim.stats.failures,
+                "steps": daemon.trainer.steps, "seconds": round(time.monotonic() - started), "best": max(r["pass_rate"] for r in rows[1:]),
+                **judge_agreement(sim.stats.feedback, run_dir / "verdicts.jsonl"),
+                "rule_held_in_training": sum(f.passed for f in sim.stats.feedback) / max(1, len(sim.stats.feedback)),
+            }
+        daemon.server.should_exit = True
+    title = (
+        f"{persona.name}: {persona.description}; judge {config.prm_mode}, LoRA r={config.lora_rank}, lr={config.lr:g}, "
+        f"batch {config.rollout_batch_size}"
+    )
+    plot(rows, run_dir / "learning.png", title)
+    print(f"bench learn: persona {persona.name} ({persona.description}), run dir {run_dir}")
+    print(f"  probe pass rate  baseline {summary['baseline']:.2f} -> final {summary['final']:.2f} (best {summary['best']:.2f}), "
+          f"{summary['final'] - summary['baseline']:+.2f}")
+    print(f"  {summary['main_turns']} main turns in {summary['sessions']} sessions, {summary['steps']} training steps, "
+          f"{summary['seconds']} s wall, {summary['failed_requests']} failed requests")
+    print(f"  judge vs hidden rule: agreement {summary['agreement']:.2f} on {summary['decided']} decided of {summary['judged']} judged turns "
+          f"(coverage {summary['coverage']:.2f}); rule held on {summary['rule_held_in_training']:.2f} of training answers")
+    return summary
