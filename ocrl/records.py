@@ -118,6 +118,8 @@ class Records:
         return ids
 
     def journal(self, sample: Sample) -> None:
+        if not self.record_text:  # token ids stay: they are what training needs
+            sample = msgspec.structs.replace(sample, next_state=None)
         self._journal.write(sample)
 
     def consumed(self, sample_ids: list[str], step: int | None = None) -> None:
