@@ -84,6 +84,10 @@ class ChatRequest(msgspec.Struct):
     session_done: bool | None = None
 
 
+class Detokenize(msgspec.Struct):
+    ids: list[list[Annotated[int, msgspec.Meta(ge=0, lt=2**31)]]]
+
+
 class ApiError(Exception):
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None, code: str | None = None, headers: dict | None = None):
         super().__init__(message)
@@ -157,6 +161,7 @@ class Api:
                 Route("/v1/ocrl/train/pause", self.ocrl_pause, methods=["POST"]),
                 Route("/v1/ocrl/train/resume", self.ocrl_resume, methods=["POST"]),
                 Route("/v1/ocrl/checkpoint", self.ocrl_checkpoint, methods=["POST"]),
+                Route("/v1/ocrl/detokenize", self.ocrl_detokenize, methods=["POST"]),
             ],
             exception_handlers={404: self._not_found, 405: self._not_allowed},
         )
@@ -206,6 +211,17 @@ class Api:
                     yield b"data: " + _encoder.encode(event) + b"\n\n"
 
         return StreamingResponse(stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    async def ocrl_detokenize(self, request: Request) -> Response:
+        """Token ids -> text, for the dashboard's sample view when attached remotely."""
+        try:
+            body = msgspec.json.decode(await self._read_body(request), type=Detokenize)
+            texts = self.tokenizer.batch_decode(body.ids, skip_special_tokens=False)
+        except ApiError as e:
+            return error_response(e)
+        except (msgspec.DecodeError, ValueError, TypeError, OverflowError) as e:
+            return error_response(ApiError(400, f"invalid request: {e}", param="ids"))
+        return json_response({"texts": texts})
 
     def _training_control(self):
         if self.control is None or not self.control.training:

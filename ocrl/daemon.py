@@ -27,7 +27,7 @@ from ocrl.config import Config, ConfigError
 from ocrl.engine.hf import HFEngine
 from ocrl.events import Events
 from ocrl.sessions import Sessions
-from ocrl.types import SamplingParams
+from ocrl.types import Progress, SamplingParams
 
 log = logging.getLogger("ocrl")
 
@@ -115,8 +115,10 @@ class Daemon:
             import torch
 
             torch.set_num_threads(config.threads)
+        self.events.publish(Progress(task="loading model", done=0, total=3))
         loaded = await anyio.to_thread.run_sync(lambda: models.load(config.model, device=config.device, dtype=config.dtype))
         self.loaded = loaded
+        self.events.publish(Progress(task="loading model", done=1, total=3))
         self.engine = HFEngine(loaded, max_batch_size=config.max_batch_size, max_queued=config.max_queued_requests)
         run_dir = Path(config.record_dir) if config.record_dir else None
         if run_dir is None and config.resume:
@@ -124,6 +126,7 @@ class Daemon:
         self.run_dir = run_dir or records_mod.new_run_dir()
         self.records = records_mod.Records(self.run_dir, record_text=not config.no_record_text)
         self.judge = await self._build_judge(loaded)
+        self.events.publish(Progress(task="loading model", done=2, total=3))
         self.samples_send, self.samples_receive = anyio.create_memory_object_stream(math.inf)
         self.queued = 0
         self.sessions = Sessions(
@@ -144,6 +147,7 @@ class Daemon:
             if config.resume:
                 restored = self.trainer.load_latest()
                 log.info("resumed from %s", restored) if restored else log.info("--resume: no checkpoint yet")
+        self.events.publish(Progress(task="loading model", done=3, total=3))
         self.api = Api(config, self.engine, loaded.tokenizer, self.sessions, stats=self.stats, events=self.events, control=self)
         self._requeue_backlog()
 
@@ -259,7 +263,7 @@ class Daemon:
         self.server = Server(
             uvicorn.Config(
                 self.api, host=config.host, port=config.port, log_level="warning", access_log=False,
-                lifespan="off", timeout_graceful_shutdown=30,
+                lifespan="off", timeout_graceful_shutdown=30, log_config=None,
             )
         )
         async with anyio.create_task_group() as tg:
@@ -297,5 +301,27 @@ class Daemon:
 async def serve(config: Config) -> None:
     check_access(config)
     daemon = Daemon(config)
-    await daemon.build()
-    await daemon.serve()
+    if config.headless or not sys.stdout.isatty():
+        await daemon.build()
+        await daemon.serve()
+        return
+    # On a terminal: the dashboard runs beside the daemon from the start (it shows the model
+    # loading); quitting it stops the daemon the same way a signal does.
+    from tui.app import run_dashboard
+
+    stopped = anyio.Event()
+
+    async def run() -> None:
+        try:
+            await daemon.build()
+            await daemon.serve()
+        finally:
+            stopped.set()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(run)
+        await run_dashboard(daemon, stop=stopped)
+        if daemon.server is None:
+            tg.cancel_scope.cancel()  # quit while loading
+        else:
+            daemon.server.should_exit = True

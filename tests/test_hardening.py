@@ -69,7 +69,7 @@ def test_server_still_answers_after_the_fuzz(daemon):
 
 def test_auth_on_every_route_but_healthz(daemon):
     routes = [("GET", "/v1/models"), ("POST", "/v1/chat/completions"), ("GET", "/v1/ocrl/stats"), ("GET", "/v1/ocrl/events"),
-              ("POST", "/v1/ocrl/train/pause"), ("POST", "/v1/ocrl/train/resume"), ("POST", "/v1/ocrl/checkpoint"), ("GET", "/nope")]
+              ("POST", "/v1/ocrl/train/pause"), ("POST", "/v1/ocrl/train/resume"), ("POST", "/v1/ocrl/checkpoint"), ("POST", "/v1/ocrl/detokenize"), ("GET", "/nope")]
     for method, path in routes:
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": daemon.api_key}):
             reply = httpx.request(method, daemon.url + path, headers=headers, timeout=30)

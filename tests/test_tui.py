@@ -3,6 +3,8 @@ keys reach the source; the remote source against a small SSE server on a free po
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 import socket
 import sys
@@ -18,19 +20,19 @@ from ocrl.types import (
     Log, Progress, Sample, SampleReady, SessionChanged, TrainStep, TurnServed, Verdict, VerdictReady, Vote,
     WeightsSwapped,
 )  # fmt: skip
-from tui.app import Dashboard
+from tui.app import Dashboard, run_dashboard
 from tui.engine_panel import EnginePanel
 from tui.help_screen import HelpScreen
 from tui.log_panel import LogPanel
 from tui.loss_plot import LossPlot
-from tui.messages import SnapshotTaken
+from tui.messages import EventArrived, SnapshotTaken
 from tui.plot import Plot
 from tui.progress_panel import ProgressPanel, TaskProgress
 from tui.reward_plot import RewardPlot
 from tui.sample_screen import SampleScreen
 from tui.samples_table import MASKED_STYLE, PROMOTED_STYLE, SamplesTable
 from tui.sessions_panel import SessionsPanel
-from tui.sources import ActionUnavailable, LocalSource, RemoteSource, SampleText, Source, sse_data
+from tui.sources import ActionUnavailable, LocalSource, RemoteSource, SampleText, Source, SourceError, sse_data
 from tui.status_line import StatusLine
 
 SIZE = (140, 44)
@@ -215,6 +217,7 @@ async def test_keys_pause_resume_save_and_help():
         await pilot.press("escape")
         await until(pilot, lambda: not isinstance(app.screen, HelpScreen))
         await pilot.press("q")
+        await until(pilot, lambda: not app.is_running)
     assert app.return_code == 0
 
 
@@ -225,9 +228,11 @@ async def test_pause_when_training_is_off_or_refused():
 
     off = FakeSource(events=[])
     off.stats["training"] = {"enabled": False}
+    off.event_error = "event stream: HTTP 404: no route /v1/ocrl/events"  # an older daemon
     app = Dashboard(off, poll_interval=60)
     async with app.run_test(size=SIZE) as pilot:
         await until(pilot, lambda: app.query_one(StatusLine).training == "off")
+        assert app.query_one(StatusLine).error == off.event_error
         await pilot.press("p")
         await pilot.pause(0.05)
         assert off.calls == []
@@ -240,6 +245,8 @@ async def test_pause_when_training_is_off_or_refused():
         await pilot.press("p")
         await until(pilot, lambda: any("no trainer here" in n.message for n in app._notifications))
         assert status.training == "running"  # the optimistic "paused" was taken back
+        await pilot.press("ctrl+c")  # raw mode: ctrl+c is a key, and it quits too
+        await until(pilot, lambda: not app.is_running)
 
 
 async def test_selecting_a_row_shows_next_state_and_votes():
@@ -258,6 +265,11 @@ async def test_selecting_a_row_shows_next_state_and_votes():
         assert str(screen.query_one("#next-state").render()) == "thanks!"
         await until(pilot, lambda: str(screen.query_one("#response").render()) == "hello!")
         assert str(screen.query_one("#prompt-tail").render()) == "<|im_start|>user\nhi [red]"
+        # the panels underneath keep updating while the detail view is open, and the
+        # selection stays on the sample it was on
+        app.main.post_message(EventArrived(SampleReady(sample=make_sample("c:3:0", "c", 0, score=1, mask=1))))
+        await until(pilot, lambda: table.row_count == 5)
+        assert table.coordinate_to_cell_key(table.cursor_coordinate).row_key.value == "a:1:1"
         await pilot.press("escape")
         await until(pilot, lambda: not isinstance(app.screen, SampleScreen))
 
@@ -276,9 +288,9 @@ async def test_tokens_per_second_from_two_snapshots():
         engine = app.query_one(EnginePanel)
         first = dict(SNAPSHOT, engine={"queue_depth": 0, "active": 0, "generated_tokens": 1000})
         second = dict(SNAPSHOT, engine={"queue_depth": 5, "active": 1, "generated_tokens": 1300})
-        app.post_message(SnapshotTaken(first, at=100.0))
+        app.main.post_message(SnapshotTaken(first, at=100.0))
         await until(pilot, lambda: engine.state.generated_tokens == 1000)
-        app.post_message(SnapshotTaken(second, at=102.0))
+        app.main.post_message(SnapshotTaken(second, at=102.0))
         await until(pilot, lambda: engine.state.generated_tokens == 1300)
         assert engine.state.tokens_per_s == pytest.approx(150.0)
         assert engine.state.queue_depth == 5
@@ -296,7 +308,8 @@ async def test_sse_parser():
 
 
 class FakeTrainer:
-    def __init__(self):
+    def __init__(self, checkpoint: str | None = None):
+        self.checkpoint = checkpoint  # None: a daemon that saves nowhere
         self.calls: list[str] = []
 
     def pause(self):
@@ -307,10 +320,12 @@ class FakeTrainer:
 
     async def save_checkpoint(self):
         self.calls.append("save")
-        return None
+        return self.checkpoint
 
 
 class FakeDaemon:
+    """The parts of ocrl.daemon.Daemon a LocalSource reads."""
+
     def __init__(self):
         self.config = msgspec.defstruct("Config", [("host", str, "127.0.0.1"), ("port", int, 30000)])()
         self.events = Events()
@@ -320,11 +335,24 @@ class FakeDaemon:
     def stats(self):
         return SNAPSHOT
 
+    @property
+    def training(self):
+        return self.trainer is not None
+
+    def pause_training(self):
+        self.trainer.pause()
+
+    def resume_training(self):
+        self.trainer.resume()
+
+    async def save_checkpoint(self):
+        return await self.trainer.save_checkpoint()
+
 
 async def test_local_source_replays_history_and_drives_the_trainer():
     daemon = FakeDaemon()
     daemon.events.publish(SampleReady(sample=GOOD))  # before the dashboard subscribed
-    app = Dashboard(LocalSource(daemon), poll_interval=0.05)
+    app = Dashboard(LocalSource(daemon), poll_interval=0.2)
     async with app.run_test(size=SIZE) as pilot:
         table = app.query_one(SamplesTable)
         await until(pilot, lambda: table.row_count == 1)
@@ -336,9 +364,27 @@ async def test_local_source_replays_history_and_drives_the_trainer():
         await until(pilot, lambda: any("nothing saved" in n.message for n in app._notifications))
     assert not daemon.events._subscribers  # the subscription closed with the app
 
+    class Tokenizer:
+        def batch_decode(self, rows, skip_special_tokens):
+            return ["".join(chr(ord("a") + i) for i in row) for row in rows]
+
+    daemon.loaded = type("Loaded", (), {"tokenizer": Tokenizer()})()
+    assert await LocalSource(daemon).sample_text(GOOD) == SampleText(prompt_tail="bcdefgh", response="ijk")
     daemon.trainer = None
     with pytest.raises(ActionUnavailable):
         await LocalSource(daemon).pause()
+
+
+async def test_run_dashboard_returns_when_the_daemon_stops():
+    daemon = FakeDaemon()
+    stop = anyio.Event()
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(functools.partial(run_dashboard, daemon, stop=stop, headless=True))
+            while not daemon.events._subscribers:  # the dashboard is up and reading
+                await anyio.sleep(0.02)
+            stop.set()
+    assert not daemon.events._subscribers
 
 
 async def test_log_lines_go_to_the_panel_not_the_terminal():
@@ -371,9 +417,9 @@ def free_port() -> int:
 
 
 class SseDaemon:
-    """The /v1/ocrl endpoints as the dashboard expects them. Each connection to the event
-    stream replays the history, then closes after `live` new events: the client has to
-    reconnect and must not see the replayed events twice."""
+    """A stand-in for the /v1/ocrl endpoints that drops its event stream on cue. Each connection to the event
+    stream replays the history plus one new event from `live` and closes, until `live` runs
+    out: the client has to reconnect and must not see the replayed events twice."""
 
     def __init__(self, history, live):
         from starlette.applications import Starlette
@@ -400,6 +446,8 @@ class SseDaemon:
                 yield b": connected\n\n"
                 for event in self.history:
                     yield b"data: " + _encoder.encode(event) + b"\n\n"
+                if not self.live:  # nothing left to reveal: stay open, as a daemon does
+                    await anyio.sleep_forever()
 
             return StreamingResponse(stream(), media_type="text/event-stream")
 
@@ -417,13 +465,18 @@ class SseDaemon:
 
             return endpoint
 
+        async def detokenize(request: Request):
+            ids = msgspec.json.decode(await request.body())["ids"]
+            return JSONResponse({"texts": [" ".join(f"<{i}>" for i in row) for row in ids]})
+
         self.app = Starlette(
             routes=[
+                Route("/v1/ocrl/detokenize", detokenize, methods=["POST"]),
                 Route("/v1/ocrl/events", events),
                 Route("/v1/ocrl/stats", stats),
                 Route("/v1/ocrl/train/pause", action("pause", {"paused": True}), methods=["POST"]),
                 Route("/v1/ocrl/train/resume", action("resume", {"paused": False}), methods=["POST"]),
-                Route("/v1/ocrl/checkpoint", action("save", {"path": "/runs/x/checkpoints/step-2"}), methods=["POST"]),
+                Route("/v1/ocrl/checkpoint", action("save", {"checkpoint": "/runs/x/checkpoints/step-2"}), methods=["POST"]),
             ]
         )
         self.port = free_port()
@@ -458,10 +511,11 @@ async def test_remote_source_decodes_events_once_across_reconnects(sse_daemon):
     try:
         received = []
         with anyio.fail_after(10):
-            async for event in source.events():
-                received.append(event)
-                if len(received) == 5:
-                    break
+            async with contextlib.aclosing(source.events()) as events:
+                async for event in events:
+                    received.append(event)
+                    if len(received) == 5:
+                        break
         assert [type(e).__name__ for e in received] == ["SampleReady", "SampleReady", "SampleReady", "TrainStep", "SessionChanged"]
         assert received[0].sample == GOOD and received[2].sample == PROMOTED and received[3] == STEPS[0]
         assert sse_daemon.connections >= 3  # three streams, each replaying what came before
@@ -471,24 +525,42 @@ async def test_remote_source_decodes_events_once_across_reconnects(sse_daemon):
         await source.resume()
         assert await source.save() == "/runs/x/checkpoints/step-2"
         assert sse_daemon.calls == ["pause", "resume", "save"]
-        assert await source.sample_text(GOOD) is None  # no /v1/ocrl/detokenize on this daemon
+        assert await source.sample_text(GOOD) == SampleText(prompt_tail="<1> <2> <3> <4> <5> <6> <7>", response="<8> <9> <10>")
     finally:
         await source.aclose()
+
+    older = RemoteSource(sse_daemon.url + "/elsewhere", API_KEY)  # every /v1/ocrl route answers 404
+    try:
+        assert await older.sample_text(GOOD) is None
+        assert not older._can_detokenize  # asked once, not on every row
+    finally:
+        await older.aclose()
 
 
 async def test_remote_source_with_a_wrong_key(sse_daemon):
     source = RemoteSource(sse_daemon.url, "wrong", reconnect_delay=0.01)
     try:
-        with pytest.raises(Exception, match="401"):
+        with pytest.raises(SourceError, match="HTTP 401: invalid or missing API key"):
             await source.snapshot()
         with pytest.raises(ActionUnavailable, match="invalid or missing API key"):
             await source.pause()
+        with anyio.move_on_after(0.3):
+            async with contextlib.aclosing(source.events()) as events:
+                async for _ in events:
+                    pass
+        assert source.event_error == "event stream: HTTP 401: invalid or missing API key"
     finally:
         await source.aclose()
 
+    app = Dashboard(RemoteSource(sse_daemon.url, "wrong"), poll_interval=60)
+    async with app.run_test(size=SIZE) as pilot:
+        status = app.query_one(StatusLine)
+        await until(pilot, lambda: status.error == "HTTP 401: invalid or missing API key")
+        assert "HTTP 401" in str(status.render())
+
 
 async def test_dashboard_attached_over_http(sse_daemon):
-    app = Dashboard(RemoteSource(sse_daemon.url, API_KEY, reconnect_delay=0.01), poll_interval=0.05)
+    app = Dashboard(RemoteSource(sse_daemon.url, API_KEY, reconnect_delay=0.01), poll_interval=0.2)
     async with app.run_test(size=SIZE) as pilot:
         table = app.query_one(SamplesTable)
         await until(pilot, lambda: table.row_count == 3 and app.query_one(LossPlot).last is not None)
@@ -496,3 +568,48 @@ async def test_dashboard_attached_over_http(sse_daemon):
         await until(pilot, lambda: app.query_one(EnginePanel).state.model == "tiny-test-model")
         await pilot.press("p")
         await until(pilot, lambda: sse_daemon.calls == ["pause"])
+
+
+def test_command_line(monkeypatch):
+    import tui.__main__ as cli
+
+    started = []
+    monkeypatch.setattr(cli.Dashboard, "run", lambda self: started.append((self.source.url, self.source._client.headers.get("authorization"))))
+    monkeypatch.setenv("OCRL_API_KEY", "from-env")
+    cli.main(["--url", "http://10.0.0.5:30000/v1/"])
+    cli.main(["--url", "http://10.0.0.5:30000", "--api-key", "flag"])
+    assert started == [("http://10.0.0.5:30000/v1", "Bearer from-env"), ("http://10.0.0.5:30000/v1", "Bearer flag")]
+
+
+async def test_dashboard_attached_to_the_daemon_api():
+    """The real ocrl Api (stats, SSE events, training controls) served on a free port in this
+    event loop, a daemon's parts faked behind it: what the daemon publishes reaches the table,
+    and the keys reach the daemon's controls."""
+    import uvicorn
+
+    from ocrl.api import Api
+    from ocrl.config import Config
+
+    daemon = FakeDaemon()
+    daemon.trainer = FakeTrainer(checkpoint="/runs/y/checkpoints/step-1")
+    engine = type("Engine", (), {"name": "tiny-test-model", "weights_version": 0})()
+    api = Api(Config(api_key=API_KEY), engine, None, None, stats=daemon.stats, events=daemon.events, control=daemon)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(api, host="127.0.0.1", port=port, log_level="error", lifespan="off"))
+    daemon.events.publish(SampleReady(sample=GOOD))  # history, replayed on connect
+    async with anyio.create_task_group() as tasks:
+        tasks.start_soon(server.serve)
+        while not server.started:
+            await anyio.sleep(0.01)
+        app = Dashboard(RemoteSource(f"http://127.0.0.1:{port}/v1", API_KEY), poll_interval=0.2)
+        async with app.run_test(size=SIZE) as pilot:
+            table = app.query_one(SamplesTable)
+            await until(pilot, lambda: table.row_count == 1)
+            daemon.events.publish(SampleReady(sample=PROMOTED))
+            daemon.events.publish(STEPS[0])
+            await until(pilot, lambda: table.row_count == 2 and app.query_one(LossPlot).last == STEPS[0])
+            await until(pilot, lambda: app.query_one(StatusLine).run_dir == "/tmp/runs/test-run")
+            await pilot.press("p", "s")
+            await until(pilot, lambda: daemon.trainer.calls == ["pause", "save"])
+            await until(pilot, lambda: any("/runs/y/checkpoints/step-1" in n.message for n in app._notifications))
+        server.should_exit = True

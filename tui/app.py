@@ -22,12 +22,16 @@ from tui.dashboard_screen import DashboardScreen
 from tui.help_screen import HelpScreen
 from tui.log_capture import LogCapture
 from tui.messages import EventArrived, LogLine, ProgressUpdated, SnapshotFailed, SnapshotTaken
-from tui.sources import ActionUnavailable, LocalSource, Source
+from tui.sources import ActionUnavailable, LocalSource, Source, SourceError
 from tui.status_line import StatusLine
 
 
 def describe(error: BaseException) -> str:
-    return f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+    """One line: the status line and notifications have no room for tracebacks."""
+    if isinstance(error, SourceError):
+        return str(error).splitlines()[0]
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0]}" if text else type(error).__name__
 
 
 class Dashboard(App[None]):
@@ -37,6 +41,8 @@ class Dashboard(App[None]):
         Binding("p", "toggle_training", "Pause/resume training"),
         Binding("s", "save", "Save checkpoint"),
         Binding("question_mark", "help", "Help", key_display="?"),
+        # The terminal is in raw mode, so ctrl+c is a key, not SIGINT: make it do what it says.
+        Binding("ctrl+c", "quit", show=False, priority=True),
     ]
 
     def __init__(self, source: Source, *, poll_interval: float = 1.0, capture_logging: bool = False) -> None:
@@ -72,8 +78,9 @@ class Dashboard(App[None]):
 
     async def _read_events(self) -> None:
         try:
-            async for event in self.source.events():
-                self.main.post_message(ProgressUpdated(event) if isinstance(event, Progress) else EventArrived(event))
+            async with contextlib.aclosing(self.source.events()) as events:
+                async for event in events:
+                    self.main.post_message(ProgressUpdated(event) if isinstance(event, Progress) else EventArrived(event))
         except Exception as e:
             self.main.post_message(LogLine("error", f"event stream failed: {describe(e)}"))
 
@@ -84,7 +91,7 @@ class Dashboard(App[None]):
             except Exception as e:
                 self.main.post_message(SnapshotFailed(describe(e)))
             else:
-                self.main.post_message(SnapshotTaken(snapshot, time.monotonic()))
+                self.main.post_message(SnapshotTaken(snapshot, time.monotonic(), self.source.event_error))
             if self.log_capture is not None:
                 self.log_capture.adopt()  # loggers configured since (uvicorn's, at server start)
             await anyio.sleep(self.poll_interval)
@@ -138,7 +145,18 @@ class Dashboard(App[None]):
             self.main.query_one(StatusLine).training = training
 
 
-async def run_dashboard(daemon) -> None:
-    """Run the dashboard on `daemon` in the current event loop until the user quits (the caller
-    then stops the daemon). This process's log lines go to the dashboard meanwhile."""
-    await Dashboard(LocalSource(daemon), capture_logging=True).run_async()
+async def run_dashboard(daemon, *, stop: anyio.Event | None = None, headless: bool = False) -> None:
+    """Run the dashboard on `daemon` in the current event loop until the user quits, or until
+    `stop` is set (the daemon stopped on a signal); the caller then stops the daemon. This
+    process's log lines go to the dashboard meanwhile."""
+    app = Dashboard(LocalSource(daemon), capture_logging=True)
+    async with anyio.create_task_group() as tasks:
+
+        async def exit_on_stop() -> None:
+            await stop.wait()
+            app.exit()
+
+        if stop is not None:
+            tasks.start_soon(exit_on_stop)
+        await app.run_async(headless=headless)
+        tasks.cancel_scope.cancel()

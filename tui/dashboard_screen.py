@@ -61,7 +61,8 @@ class DashboardScreen(Screen):
         event = message.event
         match event:
             case SampleReady(sample=sample):
-                self.query_one(SamplesTable).add_sample(sample)
+                if not self.query_one(SamplesTable).add_sample(sample):
+                    return  # each sample is published once; a second copy is not a second point
                 self.query_one(RewardPlot).add_sample(sample)
                 self.query_one(SessionsPanel).observe(event)
             case TrainStep():
@@ -84,7 +85,7 @@ class DashboardScreen(Screen):
 
     def on_snapshot_taken(self, message: SnapshotTaken) -> None:
         snapshot = message.snapshot
-        self.query_one(StatusLine).apply_snapshot(snapshot)
+        self.query_one(StatusLine).apply_snapshot(snapshot, message.problem)
         self.query_one(EnginePanel).apply_snapshot(snapshot, message.at)
         if "sessions" in snapshot:
             self.query_one(SessionsPanel).apply_snapshot(snapshot["sessions"])

@@ -91,6 +91,7 @@ class EnginePanel(Widget):
         if swap is None:
             table.add_row("last swap", "—")
         else:
-            mark = Text("✓ ", style="#9ece6a") if swap.verified else Text("✗ unverified ", style="bold red")
-            table.add_row("last swap", mark + Text(f"v{swap.weights_version} in {swap.seconds:.2f}s, {ago(time.time() - swap.at)}"))
+            # ✗: the served log-probs of the probe did not match the trainer's
+            mark = Text("✓ ", style="#9ece6a") if swap.verified else Text("✗ ", style="bold red")
+            table.add_row("last swap", mark + Text(f"v{swap.weights_version} {swap.seconds:.2f}s, {ago(time.time() - swap.at)}"))
         return table

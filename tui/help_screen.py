@@ -10,21 +10,23 @@ from textual.widgets import Markdown
 HELP = """\
 # ocrl dashboard
 
-| key | |
+| key | does |
 |---|---|
-| `q` | quit (a daemon in this process stops; an attached one keeps running) |
+| `q` | quit (a daemon in this process stops with it; an attached one keeps running) |
 | `p` | pause / resume training (samples keep being collected) |
 | `s` | save a checkpoint now |
 | `enter` | open the selected sample: prompt tail, response, next state, each vote |
-| `?` | this help; `escape` closes it |
+| `?` | this help (`escape` closes it) |
 
-**reward**: each sample's reward (dots) and the moving mean (line); below, the mean
-reward of each training step.
-**latest samples**: newest first. *Highlighted*: mask forced to 1 by the at-least-one
-rule (promoted). *Dim*: mask 0, recorded but not trained on.
-**losses per step**: policy-gradient loss, KL to the reference, clip fraction,
-entropy, gradient norm.
-**sessions** and **engine**: the daemon's counters, polled every second.
+- **reward**: each sample's reward (dots) and their moving mean (line); underneath, the mean
+  reward of each training step.
+- **latest samples**: newest first. *Highlighted*: mask forced to 1 by the at-least-one rule
+  (promoted). *Dim italic*: mask 0, recorded but not trained on. `votes` lists each judge
+  vote (`?`: no parseable score); verdict `none`: the session ended before a next state.
+- **losses per step**: policy-gradient loss, KL to the reference, clip fraction, entropy,
+  gradient norm, each on its own scale.
+- **sessions** and **engine**: the daemon's counters, read every second; under sessions,
+  the most recently active ones.
 """
 
 

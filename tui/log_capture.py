@@ -14,6 +14,11 @@ from collections.abc import Callable
 from tui.messages import LogLine
 
 
+def _loggers() -> list[logging.Logger]:
+    named = [logger for logger in logging.Logger.manager.loggerDict.values() if isinstance(logger, logging.Logger)]
+    return [logging.getLogger(), *named]
+
+
 def _standard_streams() -> set:
     return {id(stream) for stream in (sys.stderr, sys.stdout, sys.__stderr__, sys.__stdout__) if stream is not None}
 
@@ -52,22 +57,19 @@ class LogCapture:
         self.moved: list[tuple[logging.Logger, logging.Handler]] = []
 
     def adopt(self) -> None:
-        loggers = [logging.getLogger()] + [
-            logger for logger in logging.Logger.manager.loggerDict.values() if isinstance(logger, logging.Logger)
-        ]
-        for logger in loggers:
+        root = logging.getLogger()
+        for logger in _loggers():
             for handler in list(logger.handlers):
                 if _to_terminal(handler, self.standard):
                     logger.removeHandler(handler)
                     self.moved.append((logger, handler))
-                    if logger is not logging.getLogger() and not logger.propagate:
+                    if logger is not root and not logger.propagate:  # its records never reach root
                         logger.addHandler(self.handler)
-        root = logging.getLogger()
         if self.handler not in root.handlers:
             root.addHandler(self.handler)
 
     def release(self) -> None:
-        for logger in [logging.getLogger()] + [l for l in logging.Logger.manager.loggerDict.values() if isinstance(l, logging.Logger)]:
+        for logger in _loggers():
             if self.handler in logger.handlers:
                 logger.removeHandler(self.handler)
         for logger, handler in self.moved:

@@ -15,6 +15,7 @@ from textual.widgets import Label, Sparkline
 from ocrl.types import TrainStep
 
 LOSS_KEYS = ("pg_loss", "kl", "clip_frac", "entropy", "grad_norm")
+KEEP = 2048  # steps kept per diagnostic
 
 
 def metric_value(value: float) -> str:
@@ -50,6 +51,7 @@ class LossPlot(Vertical):
             value = step.metrics.get(key)
             if value is not None and math.isfinite(value):
                 self.history[key].append(value)
+                del self.history[key][:-KEEP]
         self.mutate_reactive(LossPlot.history)
         self.last = step
 

@@ -34,12 +34,14 @@ class ProgressUpdated(Message):
 
 
 class SnapshotTaken(Message):
-    """The daemon's stats, polled; `at` is time.monotonic() when it was read."""
+    """The daemon's stats, polled; `at` is time.monotonic() when it was read; `problem` says
+    why events are not arriving (a daemon without the event stream, a dropped connection)."""
 
-    def __init__(self, snapshot: dict[str, Any], at: float) -> None:
+    def __init__(self, snapshot: dict[str, Any], at: float, problem: str | None = None) -> None:
         super().__init__()
         self.snapshot = snapshot
         self.at = at
+        self.problem = problem
 
     def can_replace(self, message: Message) -> bool:
         return isinstance(message, (SnapshotTaken, SnapshotFailed))

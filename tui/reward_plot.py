@@ -17,6 +17,7 @@ from textual.widgets import Label, Sparkline
 from ocrl.types import Sample, TrainStep
 from tui.plot import Plot
 
+KEEP = 2048  # points kept per series: more than any terminal is wide, bounded over a long run
 SAMPLE_STYLE = "#7aa2f7"
 MEAN_STYLE = "bold #e0af68"
 
@@ -36,6 +37,7 @@ class RewardPlot(Vertical):
         super().__init__(**kwargs)
         self.window = window
         self.means: list[float] = []  # the moving mean after each sample
+        self.samples_seen = 0
 
     def compose(self) -> ComposeResult:
         yield Plot(y_range=(-1.0, 1.0), id="reward-chart")
@@ -48,15 +50,18 @@ class RewardPlot(Vertical):
         self._legend()
 
     def add_sample(self, sample: Sample) -> None:
+        self.samples_seen += 1
         self.rewards.append(sample.reward)
         recent = self.rewards[-self.window :]
         self.means.append(sum(recent) / len(recent))
+        del self.rewards[:-KEEP], self.means[:-KEEP]
         self.mutate_reactive(RewardPlot.rewards)
 
     def add_step(self, step: TrainStep) -> None:
         reward = step.metrics.get("reward_mean")
         if reward is not None and math.isfinite(reward):
             self.step_rewards.append(reward)
+            del self.step_rewards[:-KEEP]
             self.mutate_reactive(RewardPlot.step_rewards)
 
     def watch_rewards(self, rewards: list[float]) -> None:
@@ -70,7 +75,7 @@ class RewardPlot(Vertical):
         self._legend()
 
     def _legend(self) -> None:
-        parts = [f"{len(self.rewards)} samples"]
+        parts = [f"{self.samples_seen} samples"]
         if self.means:
             parts.append(f"[{MEAN_STYLE}]━ mean of {self.window}: {self.means[-1]:+.2f}[/]")
         if self.step_rewards:

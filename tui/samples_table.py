@@ -66,9 +66,10 @@ class SamplesTable(DataTable):
         for label, key in COLUMNS:
             self.add_column(label, key=key)
 
-    def add_sample(self, sample: Sample) -> None:
+    def add_sample(self, sample: Sample) -> bool:
+        """Show `sample` on top; False when it is already shown."""
         if sample.sample_id in self.samples:
-            return
+            return False
         following = self.cursor_row <= 0  # at the top: keep showing the newest
         selected = None if following or not self.row_count else self.coordinate_to_cell_key(self.cursor_coordinate).row_key
         self._seq += 1
@@ -86,3 +87,4 @@ class SamplesTable(DataTable):
         else:
             self.move_cursor(row=0, animate=False)
         self.border_subtitle = f"{len(self.samples)} shown"
+        return True

@@ -10,6 +10,7 @@ from collections import OrderedDict
 from typing import Any
 
 import msgspec
+from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 from textual.reactive import reactive
@@ -86,19 +87,25 @@ class SessionsPanel(Widget):
         while len(self.recent) > 100:
             self.recent.popitem(last=False)
 
-    def render(self) -> Table:
+    def render(self) -> Group:
         c = self.counters
-        table = Table.grid(padding=(0, 1), expand=True)
-        table.add_column(no_wrap=True, overflow="ellipsis")
-        table.add_column(justify="right", no_wrap=True, overflow="ellipsis", ratio=1)
-        table.add_row("open", Text(str(c.open), style="bold"))
-        table.add_row("main turns", str(c.main_turns))
-        table.add_row("waiting next state", str(c.waiting))
-        table.add_row("judging", Text(str(c.judging), style="bold #e0af68" if c.judging else ""))
-        table.add_row("closed", str(c.closed))
-        table.add_row("mask 1 · 0 · promoted", f"{c.mask1} · {c.mask0} · {c.promoted}")
+        counters = Table.grid(padding=(0, 1), expand=True)
+        counters.add_column(no_wrap=True)
+        counters.add_column(justify="right", no_wrap=True, ratio=1)
+        counters.add_row("open", Text(str(c.open), style="bold"))
+        counters.add_row("main turns", str(c.main_turns))
+        counters.add_row("waiting next state", str(c.waiting))
+        counters.add_row("judging", Text(str(c.judging), style="bold #e0af68" if c.judging else ""))
+        counters.add_row("closed", str(c.closed))
+        counters.add_row("mask 1 · 0 · promoted", f"{c.mask1} · {c.mask0} · {c.promoted}")
+        recent = Table.grid(padding=(0, 1), expand=True)
+        recent.add_column(no_wrap=True, overflow="ellipsis", ratio=1)
+        recent.add_column(justify="right", no_wrap=True)
         now = time.time()
         for session_id, activity in list(reversed(self.recent.items()))[: self.shown]:
-            label = Text(session_id, style="dim" if activity.state == "closed" else "")
-            table.add_row(label, Text(f"{activity.state} · {activity.main_turns} turns · {ago(now - activity.at)}", style="dim"))
-        return table
+            style = "dim" if activity.state == "closed" else ""
+            recent.add_row(
+                Text(session_id, style=style),
+                Text(f"{activity.main_turns} turns · {activity.state} {ago(now - activity.at)}", style="dim"),
+            )
+        return Group(counters, Text(""), recent) if self.recent else Group(counters)

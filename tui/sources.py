@@ -8,7 +8,7 @@ three things a person can ask of a running daemon (pause, resume, save a checkpo
     GET  {url}/v1/ocrl/stats            the daemon's stats dict (the snapshot)
     POST {url}/v1/ocrl/train/pause      pause training
     POST {url}/v1/ocrl/train/resume     resume training
-    POST {url}/v1/ocrl/checkpoint       save a checkpoint now; answers {"path": str | null}
+    POST {url}/v1/ocrl/checkpoint       save a checkpoint now; answers {"checkpoint": str | null}
     POST {url}/v1/ocrl/detokenize       optional: {"ids": [[int]]} -> {"texts": [str]}
 
 all with `Authorization: Bearer <key>` when a key is set. This module knows nothing about
@@ -29,7 +29,11 @@ from ocrl.types import Event, Sample
 PROMPT_TAIL_TOKENS = 256  # how much of a sample's prompt the detail view shows
 
 
-class ActionUnavailable(Exception):
+class SourceError(Exception):
+    """The daemon could not be reached, or answered with an error."""
+
+
+class ActionUnavailable(SourceError):
     """The source cannot do what was asked (training off, endpoint missing, daemon down)."""
 
 
@@ -51,6 +55,7 @@ class Source:
     are the null behaviour (no events, empty snapshot, actions unavailable, no text)."""
 
     url: str = ""
+    event_error: str | None = None  # why events are not arriving, when the source knows
 
     async def events(self) -> AsyncIterator[Event]:
         """Every event, oldest first, until cancelled."""
@@ -79,8 +84,8 @@ class Source:
 
 
 class LocalSource(Source):
-    """A Daemon in this process. The subscription buffers (and drops the oldest when full), so
-    a slow dashboard never stalls the daemon."""
+    """A Daemon in this process, through the same controls /v1/ocrl/* uses. The subscription
+    buffers (and drops the oldest when full), so a slow dashboard never stalls the daemon."""
 
     def __init__(self, daemon, limit: int = 10_000):
         self.daemon = daemon
@@ -98,21 +103,21 @@ class LocalSource(Source):
             return {"run_dir": str(run_dir)} if run_dir else {}
         return self.daemon.stats()
 
-    def _trainer(self):
-        if self.daemon.trainer is None:
-            raise ActionUnavailable("training is off (--no-train) or not started yet")
-        return self.daemon.trainer
+    def _control(self):
+        if not self.daemon.training:
+            raise ActionUnavailable("training is off in this daemon (--no-train), or not started yet")
+        return self.daemon
 
     async def pause(self) -> None:
-        self._trainer().pause()
+        self._control().pause_training()
 
     async def resume(self) -> None:
-        self._trainer().resume()
+        self._control().resume_training()
 
     async def save(self) -> str | None:
-        trainer = self._trainer()
+        control = self._control()
         with anyio.CancelScope(shield=True):  # quitting mid-save must not leave a half checkpoint
-            path = await trainer.save_checkpoint()
+            path = await control.save_checkpoint()
         return str(path) if path is not None else None
 
     async def sample_text(self, sample: Sample) -> SampleText | None:
@@ -151,6 +156,7 @@ async def sse_data(lines: AsyncIterator[str]) -> AsyncIterator[str]:
         yield "\n".join(data)
 
 
+SAVE_TIMEOUT = 600.0
 REPLAY_MEMORY = 4096  # more than the daemon's replayed history (Events.history, 500)
 
 
@@ -189,8 +195,6 @@ class RemoteSource(Source):
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._client = httpx.AsyncClient(base_url=self.root, headers=headers, timeout=timeout)
         self._can_detokenize = True
-        self.connected = False
-        self.last_error: str | None = None
 
     async def events(self) -> AsyncIterator[Event]:
         httpx = self._httpx
@@ -203,30 +207,38 @@ class RemoteSource(Source):
                     timeout=httpx.Timeout(self._client.timeout.connect, read=None),
                 )  # fmt: skip
                 async with stream as reply:
-                    reply.raise_for_status()
-                    self.connected, self.last_error, delay = True, None, self.reconnect_delay
+                    if reply.status_code >= 400:
+                        await reply.aread()
+                        raise SourceError(f"event stream: HTTP {reply.status_code}: {_error_message(reply)}")
+                    self.event_error, delay = None, self.reconnect_delay
                     async for data in sse_data(reply.aiter_lines()):
                         if not delivered.add(data):
                             continue  # replayed after a reconnect: the same bytes, the same event
                         try:
-                            yield _event_decoder.decode(data)
-                        except msgspec.DecodeError as e:  # a newer daemon's event: skip it, keep going
-                            self.last_error = f"undecodable event: {e}"
-                self.last_error = "event stream ended"
+                            event = _event_decoder.decode(data)
+                        except msgspec.DecodeError:  # a newer daemon's kind of event: skip it
+                            continue
+                        yield event
+                self.event_error = "event stream ended: reconnecting"
             except httpx.HTTPError as e:
-                self.last_error = f"{type(e).__name__}: {e}"
-            self.connected = False
+                self.event_error = f"event stream: {self.root} unreachable ({type(e).__name__})"
+            except SourceError as e:
+                self.event_error = str(e)
             await anyio.sleep(delay)
             delay = min(delay * 2, 10.0)
 
     async def snapshot(self) -> dict[str, Any]:
-        reply = await self._client.get("/v1/ocrl/stats")
-        reply.raise_for_status()
+        try:
+            reply = await self._client.get("/v1/ocrl/stats")
+        except self._httpx.HTTPError as e:
+            raise SourceError(f"{self.root} unreachable: {type(e).__name__}") from e
+        if reply.status_code >= 400:
+            raise SourceError(f"HTTP {reply.status_code}: {_error_message(reply)}")
         return reply.json()
 
-    async def _post(self, path: str, body: dict | None = None) -> dict:
+    async def _post(self, path: str, body: dict | None = None, timeout: float | None = None) -> dict:
         try:
-            reply = await self._client.post(path, json=body or {})
+            reply = await self._client.post(path, json=body or {}, timeout=timeout or self._client.timeout)
         except self._httpx.HTTPError as e:
             raise ActionUnavailable(f"{self.root} unreachable: {type(e).__name__}") from e
         if reply.status_code >= 400:
@@ -240,7 +252,8 @@ class RemoteSource(Source):
         await self._post("/v1/ocrl/train/resume")
 
     async def save(self) -> str | None:
-        return (await self._post("/v1/ocrl/checkpoint")).get("path")
+        # The daemon answers once the checkpoint is written: a big model takes a while.
+        return (await self._post("/v1/ocrl/checkpoint", timeout=SAVE_TIMEOUT)).get("checkpoint")
 
     async def sample_text(self, sample: Sample) -> SampleText | None:
         if not self._can_detokenize:

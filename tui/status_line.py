@@ -36,8 +36,8 @@ class StatusLine(Widget):
         super().__init__(**kwargs)
         self.url = url
 
-    def apply_snapshot(self, snapshot: dict[str, Any]) -> None:
-        self.error = None
+    def apply_snapshot(self, snapshot: dict[str, Any], problem: str | None = None) -> None:
+        self.error = problem
         self.run_dir = snapshot.get("run_dir", self.run_dir)
         self.training = training_state(snapshot)
         training = snapshot.get("training") or {}
