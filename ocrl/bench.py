@@ -1,11 +1,13 @@
 """Benchmarks. Each prints ratios against a baseline measured in the same run, medians of
 repeats, because timings on shared machines swing several-fold between runs.
 
-- `train`: (a) one trainer step (reference + policy forward, backward, AdamW, merge, probe) over
-  a bare torch forward + backward + AdamW step of the same LoRA model on the same batch; (b) a
-  weight swap into the engine over one forward pass of the model; (c) the longest gap between
-  streamed tokens of a request while a step and its swap run, over the median decode step
-  without training.
+- `train`: (a) one trainer step (policy forward, backward, AdamW, merge, probe; the reference
+  log-probs prefetched, as `Trainer.run` does while a batch fills, and also computed inline)
+  over a bare torch forward + backward + AdamW step of the same LoRA model on the same batch;
+  (b) a weight swap into the engine over one forward pass of the model; (c) for a request
+  already streaming when a step starts, its longest gap between tokens over the median decode
+  step without training; (d) for a request that arrives while a step is inside a micro-batch,
+  its time to first token over the same without training.
 - `serve`: (a) the proxy's median end-to-end latency over calling the engine directly with the
   same prompt and sampling (the overhead of HTTP, validation, templating, sessions); (b) the wall
   time of 8 concurrent requests over 8 sequential ones (what batched decoding buys).
@@ -114,12 +116,14 @@ async def bench_serve(config, repeats: int, max_tokens: int) -> None:
 
 
 async def bench_train(config, repeats: int, max_tokens: int) -> None:
+    import threading
+
     import torch
 
     from ocrl import models
     from ocrl.engine.hf import HFEngine
     from ocrl.train.loss import token_logprobs
-    from ocrl.train.trainer import Trainer, _MicroBatch
+    from ocrl.train.trainer import Trainer, _MicroBatch, pack
     from ocrl.types import Sample
 
     if config.threads:
@@ -127,6 +131,7 @@ async def bench_train(config, repeats: int, max_tokens: int) -> None:
     loaded = await anyio.to_thread.run_sync(lambda: models.load(config.model, device=config.device, dtype=config.dtype))
     engine = HFEngine(loaded, max_batch_size=config.max_batch_size)
     size = config.rollout_batch_size
+    med = statistics.median
     async with anyio.create_task_group() as tg:
         tg.start_soon(engine.run)
         # 1. a batch of real completions
@@ -139,6 +144,7 @@ async def bench_train(config, repeats: int, max_tokens: int) -> None:
                                 loss_mask=[1] * n, rollout_logprobs=c.logprobs, reward=1.0 if i % 2 else -1.0, weights_version=0, score=1))
         trainer = await anyio.to_thread.run_sync(lambda: Trainer(config, loaded.model, engine=engine))
         bare_optimizer = torch.optim.AdamW(trainer.params, lr=config.lr)
+        micro_batches = len(pack(batch, config.micro_batch_tokens))
 
         def bare_step() -> None:  # the baseline: what any training loop must do at least
             micro = _MicroBatch.of(batch, trainer.device)
@@ -155,12 +161,17 @@ async def bench_train(config, repeats: int, max_tokens: int) -> None:
             fn(*a)
             return time.perf_counter() - started
 
-        step_s, bare_s, swap_s, forward_s = [], [], [], []
+        # 2. step (reference log-probs prefetched, and inline), bare step, swap, one forward
+        started = time.perf_counter()  # what run() spends while the batch fills, one sample at a time
+        references = await anyio.to_thread.run_sync(lambda: trainer.response_logprobs(batch, reference=True))
+        prefetch_s = time.perf_counter() - started
+        step_s, inline_s, bare_s, swap_s, forward_s = [], [], [], [], []
         trainer.probe = batch[0]
         await anyio.to_thread.run_sync(bare_step)  # warm-up
         for _ in range(repeats):
             bare_s.append(await anyio.to_thread.run_sync(timed, bare_step))
-            step_s.append(await anyio.to_thread.run_sync(timed, trainer._train, batch))
+            step_s.append(await anyio.to_thread.run_sync(timed, trainer._train, batch, references))
+            inline_s.append(await anyio.to_thread.run_sync(timed, trainer._train, batch))
             tensors = trainer.published_weights()
             started = time.perf_counter()
             await engine.update_weights(tensors, engine.weights_version + 1)
@@ -170,27 +181,69 @@ async def bench_train(config, repeats: int, max_tokens: int) -> None:
             await engine.score(prompt, response)
             forward_s.append(time.perf_counter() - started)
 
-        # 2. stalls: gaps between streamed tokens, without and with a step + swap running
-        async def gaps(during=None) -> list[float]:
-            out, last = [], None
-            params = SamplingParams(max_tokens=400, temperature=1.0, seed=1)
-            ids = chat.prompt_ids(loaded.tokenizer, [Message(role="user", content="Write a long story about the sea.")])
-            async with anyio.create_task_group() as inner:
-                if during is not None:
-                    inner.start_soon(during)
-                async for _ in engine.stream(ids, params):
-                    now = time.perf_counter()
-                    if last is not None:
-                        out.append(now - last)
-                    last = now
-            return out
+        # 3. requests while a step runs, against the same requests without training
+        story = chat.prompt_ids(loaded.tokenizer, [Message(role="user", content="Write a long story about the sea.")])
 
-        quiet = await gaps()
-        busy = await gaps(lambda: trainer.step(batch))
+        async def request(params: SamplingParams, on_first_token=None) -> tuple[float, list[float]]:
+            """When the request was sent and when each of its tokens arrived."""
+            sent, times = time.perf_counter(), []
+            async for _ in engine.stream(story, params):
+                times.append(time.perf_counter())
+                if len(times) == 1 and on_first_token is not None:
+                    on_first_token()
+            return sent, times
+
+        def gaps(times: list[float]) -> list[float]:
+            return [b - a for a, b in zip(times, times[1:])]
+
+        rows = []
+
+        async def step() -> None:
+            rows.append(await trainer.step(batch, references))
+
+        # 3a. a long request already streaming when a step (and its swap) starts
+        long = SamplingParams(max_tokens=400, temperature=1.0, seed=1)
+        quiet_gaps = gaps((await request(long))[1])
+        async with anyio.create_task_group() as inner:
+            _, times = await request(long, on_first_token=lambda: inner.start_soon(step))
+        busy_gaps = gaps(times)
+        streamed_yield = rows[-1]["yield_seconds"]
+        # the step starts at the first token and gives way from its first yield point on
+        gave_way = [g for g, end in zip(busy_gaps, times[1:]) if end <= times[0] + streamed_yield] or [0.0]
+        ran = [g for g, end in zip(busy_gaps, times[1:]) if end > times[0] + streamed_yield] or [0.0]
+
+        # 3b. a short request arriving inside the step's first micro-batch, at staggered points
+        short = SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=2)
+        quiet_first = []
+        for _ in range(repeats):
+            sent, times = await request(short)
+            quiet_first.append(times[0] - sent)
+        micro_s = med(step_s) / micro_batches
+        busy_first, busy_gap = [], []
+        for i in range(repeats):
+            working = threading.Event()
+            hook = trainer.model.register_forward_pre_hook(lambda *_: working.set())
+            async with anyio.create_task_group() as inner:
+                inner.start_soon(step)
+                while not working.is_set():
+                    await anyio.sleep(0.002)
+                hook.remove()
+                await anyio.sleep(micro_s * (i + 0.5) / repeats)
+                sent, times = await request(short)
+            busy_first.append(times[0] - sent)
+            busy_gap.append(max(gaps(times)))
         tg.cancel_scope.cancel()
-    med = statistics.median
-    decode = med(quiet)
-    print(f"bench train: {config.model}, LoRA r={config.lora_rank}, batch {size} x ~{max_tokens} tokens, {repeats} repeats (medians)")
-    print(f"  trainer step / bare fwd+bwd+step   {med(step_s) / med(bare_s):6.3f}x   ({med(step_s):.2f} s vs {med(bare_s):.2f} s; target <= 1.3x)")
+    decode = med(quiet_gaps)
+    print(f"bench train: {config.model}, LoRA r={config.lora_rank}, batch {size} x ~{max_tokens} tokens in {micro_batches} micro-batch(es) "
+          f"of <= {config.micro_batch_tokens} tokens, train_yield_max {config.train_yield_max:g} s, {repeats} repeats (medians)")
+    print(f"  trainer step / bare fwd+bwd+step   {med(step_s) / med(bare_s):6.3f}x   ({med(step_s):.2f} s vs {med(bare_s):.2f} s; target <= 1.3x; "
+          f"reference log-probs prefetched while the batch fills: {prefetch_s:.2f} s off the step's path)")
+    print(f"    the same, reference inline       {med(inline_s) / med(bare_s):6.3f}x   ({med(inline_s):.2f} s; a step whose samples had no idle time before it)")
     print(f"  swap / one forward pass            {med(swap_s) / med(forward_s):6.3f}x   ({med(swap_s) * 1000:.0f} ms vs {med(forward_s) * 1000:.0f} ms; target < 1x)")
-    print(f"  longest stall / decode step        {max(busy) / decode:6.2f}x   ({max(busy) * 1000:.0f} ms vs {decode * 1000:.0f} ms over {len(busy)} tokens; target <= 1x)")
+    print(f"  streaming when a step starts: longest gap / decode step    {max(busy_gaps) / decode:6.2f}x   ({max(busy_gaps) * 1000:.0f} ms vs "
+          f"{decode * 1000:.0f} ms over {len(busy_gaps)} tokens, {sum(busy_gaps):.0f} s; target <= 1x)")
+    print(f"    while the step gave way ({streamed_yield:4.1f} s)                   {max(gave_way) / decode:6.2f}x")
+    print(f"    after, once train_yield_max was spent                 {max(ran) / decode:6.2f}x   (the step shares the cores)")
+    print(f"  arriving mid-micro-batch: first token / quiet first token  {med(busy_first) / med(quiet_first):6.2f}x   "
+          f"({med(busy_first) * 1000:.0f} ms vs {med(quiet_first) * 1000:.0f} ms, worst {max(busy_first) * 1000:.0f} ms; "
+          f"its longest gap {max(busy_gap) / decode:.2f}x decode)")

@@ -34,7 +34,7 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_queued_requests: int = 256
     default_max_tokens: int = 512
     request_timeout: float = 600.0
-    threads: int = 0  # torch CPU threads; 0 = torch's default
+    threads: int = 0  # torch CPU threads per call; 0 = half the cores (decode and training run at once)
     # sessions and samples
     default_turn_type: Literal["main", "side"] = "main"
     session_timeout: float = 1800.0
@@ -64,7 +64,8 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     lora_rank: int = 16
     lora_alpha: int = 32
     full_finetune: bool = False
-    micro_batch_tokens: int = 4096
+    micro_batch_tokens: int = 512  # steps give way between layers; one layer over 512 tokens ~ one CPU decode step
+    train_yield_max: float = 10.0  # seconds a step may wait in all while the engine serves
     save_dir: str = ""  # default <record_dir>/checkpoints
     save_interval: int = 50
     resume: bool = False

@@ -144,7 +144,7 @@ async def bench_learn(config, *, persona_name: str, turns: int, concurrency: int
             }
         daemon.server.should_exit = True
     title = (
-        f"{persona.name}: {persona.description}; judge {config.prm_mode}, LoRA r={config.lora_rank}, lr={config.lr:g}, "
+        f"{persona.name}: {persona.description}; judge {daemon.judge.name}, LoRA r={config.lora_rank}, lr={config.lr:g}, "
         f"batch {config.rollout_batch_size}"
     )
     plot(rows, run_dir / "learning.png", title)

@@ -7,6 +7,8 @@ import copy
 import json
 import math
 import random
+import threading
+import time
 from types import SimpleNamespace
 
 import anyio
@@ -333,8 +335,8 @@ async def test_run_batches_pauses_records_and_checkpoints_on_exit(base, tmp_path
         assert set(METRIC_KEYS) <= set(row)
         assert all(isinstance(row[k], (int, float)) and math.isfinite(row[k]) for k in METRIC_KEYS)
         assert row["samples"] == 2 and row["reward_mean"] == 1.0 and 0 < row["masked_fraction"] <= 1
-    consumed = (tmp_path / "run" / "consumed.jsonl").read_text().split()
-    assert sorted(json.loads(c) for c in consumed) == sorted(s.sample_id for s in samples[:4])
+    consumed = [json.loads(line) for line in (tmp_path / "run" / "consumed.jsonl").read_text().splitlines()]
+    assert sorted(consumed) == sorted([s.sample_id, 1 + i // 2] for i, s in enumerate(samples[:4]))  # [id, step]
     assert [p.name for p in checkpoints(tmp_path / "run" / "checkpoints")] == ["step-2"]
 
 
@@ -380,3 +382,165 @@ async def test_a_non_finite_gradient_skips_the_update(base):
     for name, tensor in trainer.published_weights().items():
         assert torch.equal(tensor, before[name]), name
     assert row["verified"] == 1.0 and engine.weights_version == 1
+
+
+# -- reference prefetch -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("full_finetune", [False, True])
+async def test_prefetched_references_give_the_same_step(base, full_finetune):
+    # The reference never changes, so log-probs computed one sample at a time while the batch
+    # fills must give the step the loss and gradient it would compute itself. Every other sample
+    # is prefetched, so micro-batches mix prefetched rows with rows computed in the step.
+    samples = make_samples(base, 6, lengths=(3, 12))
+    config = make_config(full_finetune=full_finetune, micro_batch_tokens=40)
+    cold = Trainer(config, base, engine=make_engine(base))
+    warm = Trainer(config, base, engine=make_engine(base))
+    assert any(len(g) > 1 for g in pack(samples, 40))
+    references = [r if i % 2 == 0 else None for i, r in enumerate(warm.response_logprobs(samples, reference=True))]
+    cold_metrics = cold.accumulate_gradients(samples)
+    warm_metrics = warm.accumulate_gradients(samples, references)
+    for key in ("loss", "pg_loss", "kl", "entropy", "mismatch", "ratio_mean"):
+        assert_close(warm_metrics[key], cold_metrics[key], rtol=1e-5, atol=1e-6)
+    for (name, a), (_, b) in zip(cold.model.named_parameters(), warm.model.named_parameters()):
+        if a.requires_grad:
+            assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-7, msg=name)
+    # after a step the policy has moved away from the reference, and a wrong reference would show
+    await cold.step(samples)
+    row = await warm.step(samples, [r if r is None else r + 0.0 for r in references])
+    assert row["prefetched"] == 0.5
+    assert_close(row["kl"], cold.last_metrics["kl"], rtol=1e-5, atol=1e-7)
+    with pytest.raises(ValueError, match="reference shape"):
+        await warm.step(samples, [torch.zeros(1)] * len(samples))
+
+
+async def test_run_prefetches_references_while_the_batch_fills_and_serving_is_idle(base):
+    busy = True
+    trainer = Trainer(make_config(rollout_batch_size=4), base, engine=make_engine(base), yield_to=lambda: busy)
+    samples = make_samples(base, 4)
+    send, receive = anyio.create_memory_object_stream[Sample](100)
+    async with anyio.create_task_group() as tasks:
+        tasks.start_soon(trainer.run, receive)
+        for sample in samples[:3]:
+            await send.send(sample)
+        await _until(lambda: trainer.pending == 3)
+        await anyio.sleep(0.2)
+        assert all(entry.reference is None for entry in trainer._pending)  # serving: no prefetch
+        busy = False
+        await _until(lambda: all(entry.reference is not None for entry in trainer._pending))
+        for entry, expected in zip(trainer._pending, trainer.response_logprobs(samples[:3], reference=True)):
+            assert torch.equal(entry.reference, expected)
+        forwards = []
+        hook = trainer.model.register_forward_pre_hook(lambda module, args: forwards.append(1))
+        await send.send(samples[3])
+        await _until(lambda: trainer.steps == 1)
+        send.close()
+    hook.remove()
+    assert trainer.last_metrics["prefetched"] >= 0.75  # the 4th may have been prefetched in time, or not
+    # the policy forward and the probe, plus one reference forward only if the 4th was not prefetched
+    assert len(forwards) == 2 + (trainer.last_metrics["prefetched"] < 1)
+
+
+async def test_a_prefetch_gives_up_when_a_request_arrives(base):
+    busy = False
+    trainer = Trainer(make_config(), base, engine=make_engine(base), yield_to=lambda: busy)
+    sample = make_samples(base, 1)[0]
+    expected = trainer.response_logprobs([sample], reference=True)[0]
+
+    def arrives(module, args):
+        nonlocal busy
+        busy = True
+
+    layers = trainer.model.base_model.model.model.layers
+    hook = layers[0].register_forward_pre_hook(arrives)
+    assert trainer._prefetch(sample) is None  # abandoned at layer 1
+    hook.remove()
+    busy = False
+    assert torch.equal(trainer._prefetch(sample), expected)
+    assert (trainer.response_logprobs([sample])[0] - expected).abs().max() == 0  # LoRA B = 0: adapters back on
+    assert not trainer.model._adapters_disabled
+
+
+# -- serving first ------------------------------------------------------------------------------
+
+
+async def test_a_step_waits_while_the_engine_serves_and_proceeds_when_idle(base):
+    engine = make_engine(base)  # not running: `active` is ours to flip
+    trainer = Trainer(make_config(), base, engine=engine)  # yield_to defaults to the engine's load
+    samples = make_samples(base, 4)
+    forwards = []
+    trainer.model.register_forward_pre_hook(lambda module, args: forwards.append(1))
+    rows = []
+
+    async def step() -> None:
+        rows.append(await trainer.step(samples))
+
+    engine.active = 1
+    async with anyio.create_task_group() as tasks:
+        tasks.start_soon(step)
+        await anyio.sleep(0.5)
+        assert not rows and not forwards  # no torch work while a request decodes
+        engine.active = 0
+        await _until(lambda: rows)
+    assert rows[0]["yield_seconds"] >= 0.4 and rows[0]["verified"] == 1.0
+    assert set(METRIC_KEYS) <= set(rows[0])
+
+
+async def test_a_step_proceeds_after_train_yield_max_under_constant_load(base):
+    trainer = Trainer(make_config(train_yield_max=0.3), base, engine=make_engine(base), yield_to=lambda: True)
+    row = await trainer.step(make_samples(base, 4))
+    assert 0.3 <= row["yield_seconds"] < 0.3 + 0.1  # waited its budget once, then never again
+    assert row["step"] == 1 and row["verified"] == 1.0
+
+
+class _Arrival:
+    """A request that arrives when `__call__` first runs and is served 0.3 s later."""
+
+    def __init__(self):
+        self.busy = False
+        self.at: float | None = None
+
+    def __call__(self, *args) -> None:
+        if self.at is None:
+            self.at = time.perf_counter()
+            self.busy = True
+            threading.Timer(0.3, self.served).start()
+
+    def served(self) -> None:
+        self.busy = False
+
+
+async def test_a_step_gives_way_between_layers_in_the_forward(base):
+    # The request arrives as layer 0 of the policy forward starts: the step must stop before
+    # layer 1 until it is served, not run on to the end of the micro-batch.
+    request = _Arrival()
+    trainer = Trainer(make_config(), base, engine=make_engine(base), yield_to=lambda: request.busy)
+    samples = make_samples(base, 4)
+    references = trainer.response_logprobs(samples, reference=True)  # the first forward is the policy's
+    layers = trainer.model.base_model.model.model.layers
+    layers[0].register_forward_pre_hook(request)
+    layer_1_saw_busy = []
+    layers[1].register_forward_pre_hook(lambda module, args: layer_1_saw_busy.append(request.busy))
+    row = await trainer.step(samples, references)
+    assert request.at is not None and layer_1_saw_busy == [False, False]  # the policy pass, the probe
+    assert row["yield_seconds"] >= 0.25
+
+
+async def test_a_step_gives_way_between_layers_in_the_backward(base):
+    # The request arrives as the backward reaches the last layer: layer 0's gradient must wait.
+    request = _Arrival()
+    trainer = Trainer(make_config(), base, engine=make_engine(base), yield_to=lambda: request.busy)
+    samples = make_samples(base, 4)
+    layers = trainer.model.base_model.model.model.layers
+
+    def arrives_in_backward(module, args, out) -> None:
+        if out.requires_grad:
+            out.register_hook(request)  # runs when the backward reaches layer 1's output
+
+    layers[1].register_forward_hook(arrives_in_backward)
+    layer_0_grad_at = []
+    lora_a = layers[0].self_attn.q_proj.lora_A["default"].weight
+    lora_a.register_post_accumulate_grad_hook(lambda p: layer_0_grad_at.append(time.perf_counter()))
+    row = await trainer.step(samples)
+    assert request.at is not None and layer_0_grad_at[0] - request.at >= 0.25
+    assert row["yield_seconds"] >= 0.25

@@ -11,12 +11,26 @@ copy of the starting weights.
 
 One step (`step`), in order:
  1. pack the batch into micro-batches under a token budget (a long sample goes alone);
- 2. per micro-batch: reference log-probs (no grad), then the policy forward; old log-probs;
-    the policy loss; backward, weighted so the accumulated gradient is the full-batch one;
+ 2. per micro-batch: reference log-probs (no grad) of the samples that have none prefetched,
+    then the policy forward; old log-probs; the policy loss; backward, weighted so the
+    accumulated gradient is the full-batch one;
  3. clip the gradient norm, one AdamW step;
  4. merge the weights and publish them to the engine as version + 1;
  5. score a probe (the batch's first sample) on the engine and compare with our own log-probs;
  6. record the metrics row and the consumed sample ids; publish TrainStep.
+
+Serving comes first. The trainer shares the CPU cores with the engine, and a user waiting for
+tokens matters more than a step finishing sooner, so the torch work of a step stops at yield
+points (before each micro-batch, before the probe, and before each decoder layer, forward and
+backward) while `yield_to()` says the engine is busy, up to `train_yield_max` seconds per
+step; after that it proceeds, so training never starves under constant load.
+
+While `run` waits for a batch to fill (most of the time, online), it prefetches the reference
+log-probs of each pending sample, one sample at a time and only while serving is idle: the
+reference never changes, so they are the numbers the step would compute, off its critical
+path. A prefetch gives way at once when a request arrives (it is abandoned and redone later).
+The probe cannot be prefetched or reused from the step: it must be scored with the weights
+after the optimizer step.
 
 "Recompute" old log-probs are taken from the policy forward of step 2, detached: each batch
 gets exactly one optimizer step and the weights do not move between micro-batches, so that
@@ -37,6 +51,7 @@ import shutil
 import time
 import warnings
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,10 +70,13 @@ ADAPTER = "default"  # peft's name for the one adapter we train
 METRIC_KEYS = (
     "step", "weights_version", "loss", "pg_loss", "kl", "clip_frac", "ratio_mean", "ratio_max",
     "entropy", "mismatch", "grad_norm", "reward_mean", "masked_fraction", "tokens", "samples",
-    "step_seconds", "swap_seconds",
+    "step_seconds", "yield_seconds", "swap_seconds",
 )  # fmt: skip
 
 _CHECKPOINT = re.compile(r"^step-(\d+)$")
+YIELD_POLL = 0.005  # seconds between looks at the engine while a step gives way
+PREFETCH_POLL = 0.02  # seconds between looks at the engine while a prefetch waits to start
+_ENGINE = object()  # yield_to's default: ask the engine (see `serving`)
 
 
 class _NoRecords:
@@ -67,7 +85,7 @@ class _NoRecords:
     def metric(self, row: dict) -> None:
         pass
 
-    def consumed(self, sample_ids: list[str]) -> None:
+    def consumed(self, sample_ids: list[str], step: int | None = None) -> None:
         pass
 
 
@@ -77,6 +95,47 @@ class _NoEvents:
 
     def log(self, level: str, message: str) -> None:
         pass
+
+
+def serving(engine) -> Callable[[], bool] | None:
+    """True while `engine` has a request decoding or queued; None for an engine that cannot say."""
+    if hasattr(engine, "active") and hasattr(engine, "queue_depth"):
+        return lambda: engine.active > 0 or engine.queue_depth > 0
+    return None
+
+
+class _Preempted(Exception):
+    """Raised at a yield point to abandon work that can be redone later (a prefetch)."""
+
+
+class _GiveWay:
+    """A step's yield points: each waits while serving is busy, within `budget` seconds in
+    total, then lets the step proceed so that training never starves."""
+
+    def __init__(self, busy: Callable[[], bool], budget: float):
+        self.busy = busy
+        self.budget = budget
+        self.spent = 0.0  # seconds waited so far
+
+    def __call__(self) -> None:
+        if self.spent >= self.budget or not self.busy():
+            return
+        started = time.perf_counter()
+        while self.busy() and self.spent + (time.perf_counter() - started) < self.budget:
+            time.sleep(YIELD_POLL)
+        self.spent += time.perf_counter() - started
+
+
+def _proceed() -> None:
+    pass
+
+
+@dataclass(eq=False)
+class _Pending:
+    """A sample waiting for its batch, with its reference log-probs once prefetched."""
+
+    sample: Sample
+    reference: torch.Tensor | None = None  # (R,)
 
 
 def sample_problem(sample: Sample) -> str | None:
@@ -167,6 +226,12 @@ def pack(samples: list[Sample], budget: int) -> list[list[Sample]]:
     return groups
 
 
+def _decoder_layers(model) -> list[torch.nn.Module]:
+    """The repeated blocks of a transformer: the longest ModuleList in it."""
+    lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)]
+    return list(max(lists, key=len)) if lists else []
+
+
 def _engine_name(module_name: str) -> str:
     """peft's module path -> the plain model's: drop the wrapper prefix and `.base_layer`."""
     return module_name.removeprefix("base_model.model.").replace(".base_layer", "")
@@ -183,9 +248,12 @@ class Trainer:
         events=None,
         device: str | torch.device = "cpu",
         verify_atol: float = 1e-3,
+        yield_to: Callable[[], bool] | None = _ENGINE,  # type: ignore[assignment]
     ):
         self.config = config
         self.engine = engine
+        # True while serving needs the cores; by default, while the engine decodes or queues
+        self.yield_to = (serving(engine) if yield_to is _ENGINE else yield_to) or (lambda: False)
         self.records = records if records is not None else _NoRecords()
         self.events = events if events is not None else _NoEvents()
         self.device = torch.device(device)
@@ -208,10 +276,16 @@ class Trainer:
         else:
             self.save_dir = None
         self._saved_step = 0
-        self._lock = anyio.Lock()  # a step and a checkpoint never interleave
-        self._pending: list[Sample] = []
+        self._lock = anyio.Lock()  # a step, a prefetch and a checkpoint never interleave
+        self._pending: list[_Pending] = []
         self._paused = False
-        self._wake = anyio.Event()
+        self._wake = anyio.Event()  # for the step loop: a sample arrived, or resume
+        self._arrived = anyio.Event()  # for the prefetch: the same
+        # Called at every yield point in the torch work: a step waits there, a prefetch gives up.
+        self._give_way: Callable[[], None] = _proceed
+        for layers in (_decoder_layers(self.model), _decoder_layers(self.reference) if self.reference else []):
+            for layer in layers:
+                layer.register_forward_pre_hook(self._layer_yield_point, with_kwargs=True)
 
     # -- model ------------------------------------------------------------------------------
 
@@ -237,6 +311,17 @@ class Trainer:
             torch.manual_seed(self.config.seed)  # the adapter's init follows config.seed only
             warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
             return get_peft_model(base, lora), None
+
+    def _layer_yield_point(self, module, args, kwargs) -> None:
+        """Before a decoder layer's forward, and (through a hook on its input) after its backward."""
+        self._give_way()
+        hidden = args[0] if args else kwargs.get("hidden_states")
+        if isinstance(hidden, torch.Tensor) and hidden.requires_grad:
+            hidden.register_hook(lambda grad: self._give_way())
+
+    def _preempt(self) -> None:
+        if self.yield_to():
+            raise _Preempted
 
     def _reference_mode(self):
         """The model to run for reference log-probs, and the context that makes it the base."""
@@ -300,26 +385,52 @@ class Trainer:
 
     # -- one step ---------------------------------------------------------------------------
 
-    def accumulate_gradients(self, batch: list[Sample]) -> dict[str, float]:
+    def _reference_rows(
+        self, group: list[Sample], micro: _MicroBatch, prefetched: dict[int, torch.Tensor]
+    ) -> torch.Tensor:
+        """Reference log-probs of `group` as (B, R), laid out like `micro`: the prefetched
+        ones as they are, the others from one no-grad forward of just those samples."""
+        missing = [s for s in group if id(s) not in prefetched]
+        if missing:
+            # none prefetched (the common cold case): the group's own micro-batch serves as is
+            missing_micro = micro if len(missing) == len(group) else _MicroBatch.of(missing, self.device)
+            model, mode = self._reference_mode()
+            with torch.no_grad(), mode:
+                computed, _ = self._forward(model, missing_micro)  # (b, r)
+            if missing_micro is micro:
+                return computed
+            width = computed.shape[1]
+            prefetched = prefetched | {id(s): computed[row, width - s.response_length :] for row, s in enumerate(missing)}
+        span = micro.targets.shape[1]
+        rows = torch.zeros((len(group), span), dtype=torch.float32, device=self.device)  # (B, R)
+        for row, sample in enumerate(group):
+            rows[row, span - sample.response_length :] = prefetched[id(sample)].to(self.device)
+        return rows
+
+    def accumulate_gradients(
+        self, batch: list[Sample], references: list[torch.Tensor | None] | None = None
+    ) -> dict[str, float]:
         """Backward the full-batch policy loss over micro-batches; returns its diagnostics.
 
-        policy_loss takes a token mean per sample, then a mean over samples; weighting each
-        micro-batch's loss by its share of the batch's samples makes the accumulated gradient
-        equal to the one-big-batch gradient.
+        `references` holds each sample's prefetched (R,) reference log-probs, or None where the
+        step must compute them. policy_loss takes a token mean per sample, then a mean over
+        samples; weighting each micro-batch's loss by its share of the batch's samples makes the
+        accumulated gradient equal to the one-big-batch gradient.
         """
         config = self.config
         self.optimizer.zero_grad(set_to_none=True)
         total = len(batch)
+        prefetched = {id(s): r for s, r in zip(batch, references or []) if r is not None}
         by_sample: dict[str, float] = defaultdict(float)  # sample-mean metrics, weighted sums
         by_token: dict[str, float] = defaultdict(float)  # token-mean metrics, weighted sums
         tokens = 0
         ratio_max = 0.0
         for group in pack(batch, config.micro_batch_tokens):
+            self._give_way()
             micro = _MicroBatch.of(group, self.device)
             mask = micro.loss_mask.bool()  # (B, R)
-            model, mode = self._reference_mode()
-            with torch.no_grad(), mode:
-                ref_logprobs, _ = self._forward(model, micro)  # (B, R)
+            ref_logprobs = self._reference_rows(group, micro, prefetched)  # (B, R)
+            self._give_way()
             logprobs, entropy = self._forward(self.model, micro, entropy=True)  # (B, R)
             old = logprobs.detach() if config.old_logprobs == "recompute" else micro.rollout_logprobs
             loss, metrics = policy_loss(
@@ -350,31 +461,66 @@ class Trainer:
         out["ratio_max"] = ratio_max
         return out
 
-    def _train(self, batch: list[Sample]) -> tuple[dict[str, float], dict[str, torch.Tensor], torch.Tensor]:
-        """The torch part of a step (a worker thread): gradients, clip, AdamW, merge, probe."""
+    def _train(
+        self, batch: list[Sample], references: list[torch.Tensor | None] | None = None
+    ) -> tuple[dict[str, float], dict[str, torch.Tensor], torch.Tensor]:
+        """The torch part of a step (a worker thread): gradients, clip, AdamW, merge, probe.
+        Gives way to serving at its yield points; step_seconds excludes that wait."""
         started = time.perf_counter()
-        metrics = self.accumulate_gradients(batch)
-        max_norm = self.config.grad_clip if self.config.grad_clip > 0 else math.inf
-        metrics["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
-        if math.isfinite(metrics["grad_norm"]):
-            self.optimizer.step()
-        else:  # one poisoned batch must not wreck the weights being served
-            log.warning("skipping the update: gradient norm is %s", metrics["grad_norm"])
-        self.optimizer.zero_grad(set_to_none=True)
-        metrics["step_seconds"] = time.perf_counter() - started
-        return metrics, self.published_weights(), self.response_logprobs([self.probe])[0]
+        self._give_way = give_way = _GiveWay(self.yield_to, self.config.train_yield_max)
+        try:
+            metrics = self.accumulate_gradients(batch, references)
+            max_norm = self.config.grad_clip if self.config.grad_clip > 0 else math.inf
+            metrics["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
+            if math.isfinite(metrics["grad_norm"]):
+                self.optimizer.step()
+            else:  # one poisoned batch must not wreck the weights being served
+                log.warning("skipping the update: gradient norm is %s", metrics["grad_norm"])
+            self.optimizer.zero_grad(set_to_none=True)
+            tensors = self.published_weights()
+            give_way()
+            probe_logprobs = self.response_logprobs([self.probe])[0]
+        finally:
+            self._give_way = _proceed
+        metrics["yield_seconds"] = give_way.spent
+        metrics["step_seconds"] = time.perf_counter() - started - give_way.spent
+        return metrics, tensors, probe_logprobs
 
-    async def step(self, batch: list[Sample]) -> dict[str, float]:
-        """One optimizer step on `batch`, then publish, verify, record. Returns the metrics row."""
+    def _prefetch(self, sample: Sample) -> torch.Tensor | None:
+        """A pending sample's reference log-probs (a worker thread); None when a request
+        arrived meanwhile and the work was abandoned."""
+        self._give_way = self._preempt
+        try:
+            return self.response_logprobs([sample], reference=True)[0]
+        except _Preempted:
+            return None
+        finally:
+            self._give_way = _proceed
+
+    async def step(self, batch: list[Sample], references: list[torch.Tensor | None] | None = None) -> dict[str, float]:
+        """One optimizer step on `batch`, then publish, verify, record. Returns the metrics row.
+        `references`: each sample's reference log-probs where already known, else None."""
+        references = references if references is not None else [None] * len(batch)
+        if len(references) != len(batch):
+            raise ValueError(f"{len(references)} references for {len(batch)} samples")
+        return await self._step([_Pending(s, r) for s, r in zip(batch, references)])
+
+    async def _step(self, entries: list[_Pending]) -> dict[str, float]:
+        batch = [entry.sample for entry in entries]
         for sample in batch:
             if problem := sample_problem(sample):
                 raise ValueError(f"sample {sample.sample_id}: {problem}")
         if not batch:
             raise ValueError("empty batch")
         async with self._lock:
+            # read under the lock: a prefetch in flight when the batch was taken has landed
+            references = [entry.reference for entry in entries]
+            for sample, reference in zip(batch, references):
+                if reference is not None and reference.shape != (sample.response_length,):
+                    raise ValueError(f"sample {sample.sample_id}: reference shape {tuple(reference.shape)}")
             # 1-3. micro-batched gradients, clip, AdamW; merged weights and our probe log-probs
             self.probe = _probe_sample(*split_prompt(batch[0]))
-            metrics, tensors, probe_logprobs = await anyio.to_thread.run_sync(self._train, batch)
+            metrics, tensors, probe_logprobs = await anyio.to_thread.run_sync(self._train, batch, references)
             self.steps += 1
             self.consumed_samples += len(batch)
             # 4-5. swap into the engine as the next version, and check it serves what we trained
@@ -387,6 +533,7 @@ class Trainer:
                 "masked_fraction": sum(sum(s.loss_mask) for s in batch) / response_tokens,
                 "tokens": float(sum(len(s.tokens) for s in batch)),
                 "samples": float(len(batch)),
+                "prefetched": sum(r is not None for r in references) / len(batch),
                 "swap_seconds": swap_seconds,
                 "verified": float(verified),
                 "probe_diff": probe_diff,
@@ -394,7 +541,7 @@ class Trainer:
             self.last_metrics = metrics
             row = {"step": self.steps, "weights_version": self.version, **metrics}
             self.records.metric(row)
-            self.records.consumed([s.sample_id for s in batch])
+            self.records.consumed([s.sample_id for s in batch], step=self.steps)
             self.events.publish(TrainStep(step=self.steps, weights_version=self.version, metrics=metrics))
             return row
 
@@ -456,6 +603,7 @@ class Trainer:
     def resume(self) -> None:
         self._paused = False
         self._wake.set()
+        self._arrived.set()
 
     async def run(self, samples) -> None:
         """Step on every `rollout_batch_size` samples from the stream until it closes or we are
@@ -471,18 +619,36 @@ class Trainer:
                     if problem := sample_problem(sample):
                         log.warning("dropping sample %s: %s", sample.sample_id, problem)
                         continue
-                    self._pending.append(sample)
+                    self._pending.append(_Pending(sample))
                     self._wake.set()
+                    self._arrived.set()
             closed = True
             self._wake.set()
+
+        async def prefetch() -> None:
+            """Reference log-probs of pending samples, oldest first, while serving is idle."""
+            while True:
+                entry = next((e for e in self._pending if e.reference is None), None)
+                if entry is None or self._paused:
+                    await self._arrived.wait()
+                    self._arrived = anyio.Event()
+                    continue
+                if self.yield_to():
+                    await anyio.sleep(PREFETCH_POLL)
+                    continue
+                async with self._lock:  # never alongside a step's torch work
+                    if entry in self._pending and entry.reference is None:  # not taken by a step meanwhile
+                        entry.reference = await anyio.to_thread.run_sync(self._prefetch, entry.sample)
 
         size = max(1, self.config.rollout_batch_size)
         try:
             async with anyio.create_task_group() as tasks:
                 tasks.start_soon(read)
+                tasks.start_soon(prefetch)
                 while True:
                     if self._paused or len(self._pending) < size:
                         if closed:
+                            tasks.cancel_scope.cancel()  # the prefetch has nothing left to do
                             break
                         await self._wake.wait()
                         self._wake = anyio.Event()
@@ -491,7 +657,7 @@ class Trainer:
                     del self._pending[:size]
                     try:
                         with anyio.CancelScope(shield=True):  # a step is atomic: train, swap, record
-                            await self.step(batch)
+                            await self._step(batch)
                     except Exception as e:  # the samples stay unconsumed in the journal
                         log.exception("training step failed")
                         self.events.log("error", f"training step failed: {type(e).__name__}: {e}")
