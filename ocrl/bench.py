@@ -242,6 +242,7 @@ async def bench_train(config, repeats: int, max_tokens: int) -> None:
     print(f"  swap / one forward pass            {med(swap_s) / med(forward_s):6.3f}x   ({med(swap_s) * 1000:.0f} ms vs {med(forward_s) * 1000:.0f} ms; target < 1x)")
     print(f"  streaming when a step starts: longest gap / decode step    {max(busy_gaps) / decode:6.2f}x   ({max(busy_gaps) * 1000:.0f} ms vs "
           f"{decode * 1000:.0f} ms over {len(busy_gaps)} tokens, {sum(busy_gaps):.0f} s; target <= 1x)")
+    print(f"    without training (the noise floor)                    {max(quiet_gaps) / decode:6.2f}x")
     print(f"    while the step gave way ({streamed_yield:4.1f} s)                   {max(gave_way) / decode:6.2f}x")
     print(f"    after, once train_yield_max was spent                 {max(ran) / decode:6.2f}x   (the step shares the cores)")
     print(f"  arriving mid-micro-batch: first token / quiet first token  {med(busy_first) / med(quiet_first):6.2f}x   "
