@@ -121,13 +121,13 @@ async def bench_train(config, repeats: int, max_tokens: int) -> None:
     import torch
 
     from ocrl import models
+    from ocrl.daemon import set_threads
     from ocrl.engine.hf import HFEngine
     from ocrl.train.loss import token_logprobs
     from ocrl.train.trainer import Trainer, _MicroBatch, pack
     from ocrl.types import Sample
 
-    if config.threads:
-        torch.set_num_threads(config.threads)
+    set_threads(config)  # as the daemon does: decode and training share the cores
     loaded = await anyio.to_thread.run_sync(lambda: models.load(config.model, device=config.device, dtype=config.dtype))
     engine = HFEngine(loaded, max_batch_size=config.max_batch_size)
     size = config.rollout_batch_size
@@ -209,8 +209,8 @@ async def bench_train(config, repeats: int, max_tokens: int) -> None:
         busy_gaps = gaps(times)
         streamed_yield = rows[-1]["yield_seconds"]
         # the step starts at the first token and gives way from its first yield point on
-        gave_way = [g for g, end in zip(busy_gaps, times[1:]) if end <= times[0] + streamed_yield] or [0.0]
-        ran = [g for g, end in zip(busy_gaps, times[1:]) if end > times[0] + streamed_yield] or [0.0]
+        gave_way = [g for g, end in zip(busy_gaps, times[1:]) if end <= times[0] + streamed_yield]
+        ran = [g for g, end in zip(busy_gaps, times[1:]) if end > times[0] + streamed_yield]
 
         # 3b. a short request arriving inside the step's first micro-batch, at staggered points
         short = SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=2)
@@ -234,6 +234,10 @@ async def bench_train(config, repeats: int, max_tokens: int) -> None:
             busy_gap.append(max(gaps(times)))
         tg.cancel_scope.cancel()
     decode = med(quiet_gaps)
+
+    def longest(part: list[float]) -> str:
+        return f"{max(part) / decode:6.2f}x" if part else "     -"
+
     print(f"bench train: {config.model}, LoRA r={config.lora_rank}, batch {size} x ~{max_tokens} tokens in {micro_batches} micro-batch(es) "
           f"of <= {config.micro_batch_tokens} tokens, train_yield_max {config.train_yield_max:g} s, {repeats} repeats (medians)")
     print(f"  trainer step / bare fwd+bwd+step   {med(step_s) / med(bare_s):6.3f}x   ({med(step_s):.2f} s vs {med(bare_s):.2f} s; target <= 1.3x; "
@@ -243,8 +247,8 @@ async def bench_train(config, repeats: int, max_tokens: int) -> None:
     print(f"  streaming when a step starts: longest gap / decode step    {max(busy_gaps) / decode:6.2f}x   ({max(busy_gaps) * 1000:.0f} ms vs "
           f"{decode * 1000:.0f} ms over {len(busy_gaps)} tokens, {sum(busy_gaps):.0f} s; target <= 1x)")
     print(f"    without training (the noise floor)                    {max(quiet_gaps) / decode:6.2f}x")
-    print(f"    while the step gave way ({streamed_yield:4.1f} s)                   {max(gave_way) / decode:6.2f}x")
-    print(f"    after, once train_yield_max was spent                 {max(ran) / decode:6.2f}x   (the step shares the cores)")
+    print(f"    while the step gave way ({streamed_yield:4.1f} s)                   {longest(gave_way)}")
+    print(f"    after, once train_yield_max was spent                 {longest(ran)}   (the step shares the cores)")
     print(f"  arriving mid-micro-batch: first token / quiet first token  {med(busy_first) / med(quiet_first):6.2f}x   "
           f"({med(busy_first) * 1000:.0f} ms vs {med(quiet_first) * 1000:.0f} ms, worst {max(busy_first) * 1000:.0f} ms; "
           f"its longest gap {max(busy_gap) / decode:.2f}x decode)")

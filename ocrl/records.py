@@ -54,7 +54,14 @@ class _Appender:
         self.durable = durable
 
     def write(self, obj) -> None:
-        self.file.write(_encoder.encode(obj) + b"\n")
+        self.write_many([obj])
+
+    def write_many(self, objs) -> None:
+        """Appends the rows in one write (one fsync when durable), so a reader sees all or none."""
+        data = b"".join(_encoder.encode(obj) + b"\n" for obj in objs)
+        if not data:
+            return
+        self.file.write(data)
         if self.durable:
             os.fsync(self.file.fileno())
 
@@ -124,8 +131,7 @@ class Records:
 
     def consumed(self, sample_ids: list[str], step: int | None = None) -> None:
         """Marks samples used: by training step `step`, or (None) excluded by rule (mask 0)."""
-        for sample_id in sample_ids:
-            self._consumed.write(Consumed(sample_id, step))
+        self._consumed.write_many([Consumed(sample_id, step) for sample_id in sample_ids])
 
     def _text(self, obj: dict, *keys: str) -> dict:
         if not self.record_text:

@@ -540,8 +540,9 @@ class Trainer:
             }
             self.last_metrics = metrics
             row = {"step": self.steps, "weights_version": self.version, **metrics}
-            self.records.metric(row)
+            # consumed first: a reader that sees the metrics row sees the whole batch marked used
             self.records.consumed([s.sample_id for s in batch], step=self.steps)
+            self.records.metric(row)
             self.events.publish(TrainStep(step=self.steps, weights_version=self.version, metrics=metrics))
             return row
 
