@@ -25,7 +25,7 @@ def add_simulation_flags(parser: argparse.ArgumentParser) -> None:
 
     parser.add_argument("--persona", choices=sorted(PERSONAS), default="brief")
     parser.add_argument("--turns", type=int, default=200, help="learn: main turns to simulate")
-    parser.add_argument("--concurrency", type=int, default=8, help="sessions at once")
+    parser.add_argument("--concurrency", type=int, default=None, help="sessions at once (bench soak: 100 when not given)")
     parser.add_argument("--tasks", type=int, default=2, help="tasks per session")
     parser.add_argument("--probe-every", type=int, default=2, help="learn: probe every N training steps")
     parser.add_argument("--probe-samples", type=int, default=2, help="learn: samples per probe prompt")
@@ -39,7 +39,11 @@ def main(argv: list[str] | None = None) -> int:
     serve = commands.add_parser("serve", help="serve the model and learn from its conversations (default)")
     config_mod.add_flags(serve)
     bench = commands.add_parser("bench", help="benchmarks, each a ratio against a baseline in the same run")
-    bench.add_argument("which", choices=["serve", "train", "learn"], help="serve: proxy overhead and batching; train: step, swap and stall; learn: a learning curve")
+    bench.add_argument(
+        "which", choices=["serve", "train", "learn", "soak"],
+        help="serve: proxy overhead and batching; train: step, swap and stall; learn: a learning curve; soak: concurrent sessions for --seconds",
+    )
+    bench.add_argument("--seconds", type=float, default=60.0, help="soak: how long to drive --concurrency sessions")
     bench.add_argument("--repeats", type=int, default=5)
     bench.add_argument("--max-tokens", type=int, default=None, help="completion tokens per request (serve/train 32, learn 48)")
     add_simulation_flags(bench)
@@ -54,6 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv if argv is not None else (sys.argv[1:] or ["serve"]))
     if args.command is None:
         args = parser.parse_args(["serve", *(argv or sys.argv[1:])])
+    if getattr(args, "concurrency", 0) is None:
+        args.concurrency = 100 if getattr(args, "which", None) == "soak" else 8
     from ocrl.daemon import setup_logging
 
     setup_logging()

@@ -8,6 +8,9 @@ repeats, because timings on shared machines swing several-fold between runs.
   already streaming when a step starts, its longest gap between tokens over the median decode
   step without training; (d) for a request that arrives while a step is inside a micro-batch,
   its time to first token over the same without training.
+- `soak`: many concurrent sessions for a while through the real HTTP API (training on unless
+  --no-train): failed requests, latency, resident memory at the end over once warm, and every
+  main turn's sample accounted for in the run directory.
 - `serve`: (a) the proxy's median end-to-end latency over calling the engine directly with the
   same prompt and sampling (the overhead of HTTP, validation, templating, sessions); (b) the wall
   time of 8 concurrent requests over 8 sequential ones (what batched decoding buys).
@@ -41,6 +44,8 @@ async def run(which: str, config, args) -> None:
         await bench_serve(config, args.repeats, args.max_tokens or 32)
     elif which == "train":
         await bench_train(config, args.repeats, args.max_tokens or 32)
+    elif which == "soak":
+        await bench_soak(config, sessions=args.concurrency, seconds=args.seconds, max_tokens=args.max_tokens or 4)
     elif which == "learn":
         from ocrl.learn import bench_learn
 
@@ -113,6 +118,27 @@ async def bench_serve(config, repeats: int, max_tokens: int) -> None:
     print(f"  proxy / engine latency      {proxy_med / engine_med:6.3f}x   ({proxy_med * 1000:.0f} ms vs {engine_med * 1000:.0f} ms)")
     print(f"  proxy overhead              {overhead * 100:6.2f}% of end-to-end latency (target <= 5%)")
     print(f"  8 concurrent / 8 sequential {conc_med / seq_med:6.3f}x   ({conc_med:.2f} s vs {seq_med:.2f} s; target <= 0.5x)")
+
+
+async def bench_soak(config, *, sessions: int, seconds: float, max_tokens: int) -> None:
+    from ocrl import soak
+    from ocrl.daemon import Daemon
+
+    config = msgspec.structs.replace(config, port=config.port if config.port != 30000 else 30998)
+    daemon = Daemon(config)
+    await daemon.build()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(daemon.serve)
+        while daemon.server is None or not daemon.server.started:
+            await anyio.sleep(0.05)
+        url = f"http://{config.host}:{config.port}/v1"
+        report = await soak.soak(url, config.api_key, sessions=sessions, seconds=seconds, max_tokens=max_tokens, seed=config.seed)
+        with anyio.move_on_after(120):  # the last verdicts
+            while daemon.sessions.stats()["judging"]:
+                await anyio.sleep(0.2)
+        accounting = soak.account(daemon.run_dir)
+        daemon.server.should_exit = True
+    soak.print_report(report, accounting, sessions)
 
 
 async def bench_train(config, repeats: int, max_tokens: int) -> None:

@@ -33,6 +33,7 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_messages: int = 1024
     max_queued_requests: int = 256
     default_max_tokens: int = 512
+    context_length: int = 0  # prompt + completion tokens; 0 = what the model was trained for
     request_timeout: float = 600.0
     threads: int = 0  # torch CPU threads per call; 0 = half the cores (decode and training run at once)
     # sessions and samples

@@ -49,6 +49,20 @@ def set_threads(config: Config) -> None:
     torch.set_num_threads(config.threads or max(1, (os.cpu_count() or 2) // 2))
 
 
+def rss_mb() -> float:
+    """This process's resident memory in MiB (Linux: now; elsewhere: the peak so far)."""
+    try:
+        with open("/proc/self/statm") as f:
+            import os
+
+            return round(int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20, 1)
+    except OSError:
+        import resource
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return round(peak / 2**20 if sys.platform == "darwin" else peak / 2**10, 1)
+
+
 def is_loopback(host: str) -> bool:
     if host in ("localhost", ""):
         return True
@@ -127,7 +141,9 @@ class Daemon:
         loaded = await anyio.to_thread.run_sync(lambda: models.load(config.model, device=config.device, dtype=config.dtype))
         self.loaded = loaded
         self.events.publish(Progress(task="loading model", done=1, total=3))
-        self.engine = HFEngine(loaded, max_batch_size=config.max_batch_size, max_queued=config.max_queued_requests)
+        self.engine = HFEngine(
+            loaded, max_batch_size=config.max_batch_size, max_queued=config.max_queued_requests, max_context=config.context_length
+        )
         run_dir = Path(config.record_dir) if config.record_dir else None
         if run_dir is None and config.resume:
             run_dir = records_mod.newest_run_dir()
@@ -158,6 +174,14 @@ class Daemon:
         self.events.publish(Progress(task="loading model", done=3, total=3))
         self.api = Api(config, self.engine, loaded.tokenizer, self.sessions, stats=self.stats, events=self.events, control=self)
         self._requeue_backlog()
+        # then the turns that had no sample yet: judged again, or waiting for their next state
+        restored = self.sessions.restore(self.records.main_turns(), self.records.next_states(), self.records.journaled())
+        if restored["sessions"]:
+            log.info(
+                "restored %d sessions of an earlier process: %d turns to judge again, %d waiting for their next state, "
+                "%d excluded (text not recorded)", restored["sessions"], restored["rejudged"], restored["open"], restored["excluded_without_text"],
+            )
+        self.restored = dict(restored)
 
     async def _build_judge(self, loaded):
         from ocrl import prm
@@ -200,6 +224,8 @@ class Daemon:
     def _requeue_backlog(self) -> None:
         # Resumed: samples trained after the checkpoint we restored are trained again, once.
         resumed_at = self.trainer.steps if (self.trainer is not None and self.config.resume) else None
+        if resumed_at is not None:
+            self.records.mark_resumed(resumed_at)
         backlog = self.records.backlog(trained_through=resumed_at)
         self.backlog_at_start = len(backlog)
         if backlog:
@@ -220,10 +246,12 @@ class Daemon:
                 "active": self.engine.active,
                 "generated_tokens": self.engine.generated_tokens,
             },
+            "memory": {"rss_mb": rss_mb()},
             "sessions": self.sessions.stats(),
             "samples": {
                 "queued": self.samples_send.statistics().current_buffer_used,
                 "journal_backlog_at_start": self.backlog_at_start,
+                "restored_at_start": self.restored,
             },
             "training": self._training_stats(),
         }

@@ -2,7 +2,11 @@
 
 The journal is what makes samples survive a crash: a sample is appended and fsynced to
 `journal.jsonl` before it is queued, and its id is appended to `consumed.jsonl` once a training
-step has used it. On restart, journaled minus consumed is the backlog to re-queue. Files are
+step has used it. On restart, journaled minus consumed is the backlog to re-queue. Main turns
+(`turns.jsonl`) and the next states that close them (`next_states.jsonl`) are fsynced too, so a
+turn that had no sample yet when the process died is judged (or waits for its next state) again.
+A resumed run that restored an older checkpoint appends `{"resumed_at": step}` to
+`consumed.jsonl`: rows of later steps before it no longer count (those weights were lost). Files are
 created mode 0600: they hold people's conversations. This module knows nothing of how samples
 are made or trained on.
 """
@@ -16,7 +20,7 @@ from pathlib import Path
 
 import msgspec
 
-from ocrl.types import Sample
+from ocrl.types import Message, Sample, Turn
 
 log = logging.getLogger("ocrl.records")
 
@@ -29,7 +33,21 @@ class Consumed(msgspec.Struct, array_like=True):
     step: int | None
 
 
-_consumed_decoder = msgspec.json.Decoder(Consumed | str)
+class Resumed(msgspec.Struct):
+    resumed_at: int
+
+
+class NextState(msgspec.Struct):
+    sample_id: str
+    message: Message
+
+
+_consumed_decoder = msgspec.json.Decoder(Consumed | dict | str)
+_next_state_decoder = msgspec.json.Decoder(NextState)
+
+
+def _lines(path: Path):
+    return path.read_bytes().splitlines() if path.exists() else []
 
 
 def new_run_dir(root: str = "runs") -> Path:
@@ -74,7 +92,8 @@ class Records:
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.record_text = record_text
-        self.turns = _Appender(self.dir / "turns.jsonl")
+        self.turns = _Appender(self.dir / "turns.jsonl", durable=True)
+        self._next_states = _Appender(self.dir / "next_states.jsonl", durable=True)
         self.verdicts = _Appender(self.dir / "verdicts.jsonl")
         self.samples = _Appender(self.dir / "samples.jsonl")
         self.metrics = _Appender(self.dir / "metrics.jsonl")
@@ -85,18 +104,70 @@ class Records:
         """Ids marked consumed. With `trained_through` (the step of the checkpoint a resumed run
         starts from), ids trained by later steps do not count: those weights were lost, so the
         samples go back in the queue and are trained once into the weights that survive."""
-        path = self.dir / "consumed.jsonl"
-        ids = set()
-        for line in path.read_bytes().splitlines() if path.exists() else []:
+        rows = self.consumed_rows()
+        return {r.id for r in rows if trained_through is None or r.step is None or r.step <= trained_through}
+
+    def consumed_rows(self) -> list[Consumed]:
+        """The rows that stand: those voided by a later `resumed_at` marker left out."""
+        rows: list[Consumed] = []
+        for line in _lines(self.dir / "consumed.jsonl"):
             try:
                 row = _consumed_decoder.decode(line)
-            except msgspec.DecodeError:
+                if isinstance(row, dict):
+                    row = msgspec.convert(row, Resumed)
+            except (msgspec.DecodeError, msgspec.ValidationError):
                 continue  # a torn last line
-            if isinstance(row, str):
-                ids.add(row)
-            elif trained_through is None or row.step is None or row.step <= trained_through:
-                ids.add(row.id)
-        return ids
+            if isinstance(row, Resumed):
+                rows = [r for r in rows if r.step is None or r.step <= row.resumed_at]
+            else:
+                rows.append(Consumed(row, None) if isinstance(row, str) else row)
+        return rows
+
+    def mark_resumed(self, step: int) -> None:
+        """A resumed run restored the checkpoint of `step`: later steps' rows stop counting."""
+        if any(r.step is not None and r.step > step for r in self.consumed_rows()):
+            self._consumed.write(Resumed(step))
+
+    def journaled(self) -> dict[str, bool]:
+        """Journaled sample ids -> whether the sample is effective (has a loss-mask 1 token)."""
+        out = {}
+        for line in _lines(self.dir / "journal.jsonl"):
+            try:
+                sample = _sample_decoder.decode(line)
+            except msgspec.DecodeError:
+                continue
+            out[sample.sample_id] = sample.effective
+        return out
+
+    def main_turns(self) -> list[Turn]:
+        """Main turns recorded by earlier processes (text fields empty when not recorded)."""
+        out = []
+        for line in _lines(self.dir / "turns.jsonl"):
+            try:
+                row = msgspec.json.decode(line)
+                if row.get("turn_type") != "main":
+                    continue
+                row["messages"] = row.get("messages") or []
+                row["response_text"] = row.get("response_text") or ""
+                out.append(msgspec.convert(row, Turn))
+            except (msgspec.DecodeError, msgspec.ValidationError, AttributeError):
+                continue  # a torn last line, or a row of an older format
+        return out
+
+    def next_state(self, sample_id: str, message: Message) -> None:
+        if not self.record_text:
+            message = msgspec.structs.replace(message, content=None, tool_calls=None)
+        self._next_states.write(NextState(sample_id, message))
+
+    def next_states(self) -> dict[str, Message]:
+        out = {}
+        for line in _lines(self.dir / "next_states.jsonl"):
+            try:
+                row = _next_state_decoder.decode(line)
+            except msgspec.DecodeError:
+                continue
+            out[row.sample_id] = row.message
+        return out
 
     def backlog(self, trained_through: int | None = None) -> list[Sample]:
         """Samples journaled by an earlier process and not yet trained on, in journal order."""
@@ -156,5 +227,5 @@ class Records:
         self.metrics.write(row)
 
     def close(self) -> None:
-        for appender in (self.turns, self.verdicts, self.samples, self.metrics, self._journal, self._consumed):
+        for appender in (self.turns, self._next_states, self.verdicts, self.samples, self.metrics, self._journal, self._consumed):
             appender.close()

@@ -30,6 +30,7 @@ from typing import Awaitable, Callable
 import anyio
 import msgspec
 
+from ocrl.faults import crash_point
 from ocrl.types import Completion, Message, Sample, SampleReady, SessionChanged, Turn, TurnServed, Verdict, VerdictReady, Vote
 
 log = logging.getLogger("ocrl.sessions")
@@ -94,6 +95,10 @@ def response_message(text: str, tool_calls: list[dict]) -> Message:
     return Message(role="assistant", content=text if not tool_calls else (text or None), tool_calls=tool_calls or None)
 
 
+def sample_id(session: Session, turn: Turn) -> str:
+    return f"{turn.session_id}:{session.uid}:{turn.index}"
+
+
 JudgeFn = Callable[[str, str, str], Awaitable[Verdict]]
 
 
@@ -151,6 +156,7 @@ class Sessions:
             response_text=completion.text,
             finish_reason=completion.finish_reason,
             weights_version=completion.weights_version,
+            session_uid=session.uid if main else "",
         )
         if main:
             session.turns.append(_MainTurn(turn))
@@ -226,9 +232,11 @@ class Sessions:
             while self._in_flight:
                 await anyio.sleep(0.05)
 
-    def _close_turn(self, session: Session, main_turn: _MainTurn, next_state: Message) -> None:
+    def _close_turn(self, session: Session, main_turn: _MainTurn, next_state: Message, *, record: bool = True) -> None:
         main_turn.state = "judging"
         main_turn.next_state = next_state
+        if self.records and record:  # durable: a crash while judging costs a re-judge, not the turn
+            self.records.next_state(sample_id(session, main_turn.turn), next_state)
         self._in_flight += 1
         self._judging.send_nowait((session, main_turn))
 
@@ -243,6 +251,7 @@ class Sessions:
                 self.counters["judge_failures"] += 1
                 verdict = Verdict(score=0, votes=[Vote(None, f"judge error: {type(e).__name__}: {e}")], mode="error")
             verdict.seconds = verdict.seconds or time.monotonic() - started
+            crash_point("judging")
             self.counters[f"verdict_{verdict.score:+d}" if verdict.score else "verdict_0"] += 1
             if self.records:
                 self.records.verdict(turn.session_id, turn.index, verdict, next_state.content, next_state.role)
@@ -264,7 +273,7 @@ class Sessions:
         turn = main_turn.turn
         n = len(turn.response_ids)
         sample = Sample(
-            sample_id=f"{turn.session_id}:{session.uid}:{turn.index}",
+            sample_id=sample_id(session, turn),
             session_id=turn.session_id,
             turn_index=turn.index,
             tokens=turn.prompt_ids + turn.response_ids,
@@ -287,6 +296,57 @@ class Sessions:
         self.submit(sample)
         if self.events:
             self.events.publish(SampleReady(sample=sample))
+
+    # -- after a restart --------------------------------------------------------------------
+
+    def restore(self, turns: list[Turn], next_states: dict[str, Message], journaled: dict[str, bool]) -> Counter:
+        """Brings back the sessions of an earlier process that still have main turns without a
+        journaled sample, so that no turn is lost to a crash. Such a turn whose next state had
+        arrived is judged again; the open last turn of a session waits for its next request (by
+        session id, or by prefix when text was recorded) or for the idle timeout, as before.
+        `journaled` maps sample id -> effective. Call before `run`; returns what it did."""
+        groups: dict[tuple[str, str], dict[int, Turn]] = {}
+        for turn in sorted(turns, key=lambda t: t.created):
+            if turn.turn_type == "main" and turn.session_uid:
+                groups.setdefault((turn.session_id, turn.session_uid), {})[turn.index] = turn
+        done: Counter = Counter()
+        for (session_id, uid), by_index in groups.items():
+            ordered = [by_index[i] for i in sorted(by_index)]
+            session = Session(session_id, uid=uid)
+            ids = [sample_id(session, t) for t in ordered]
+            if all(i in journaled for i in ids):
+                continue
+            if [t.index for t in ordered] != list(range(len(ordered))):
+                log.warning("session %s: recorded main turns %s have gaps; restoring what is there", session_id, [t.index for t in ordered])
+            if session_id in self.sessions:  # the id was reused: the older session ends here
+                self.close(session_id)
+            session.effective = sum(journaled.get(i, False) for i in ids)
+            self.sessions[session_id] = session
+            self.counters["sessions_restored"] += 1
+            for k, (turn, sid) in enumerate(zip(ordered, ids)):
+                main_turn = _MainTurn(turn)
+                session.turns.append(main_turn)
+                if turn.messages and turn.response_text is not None:
+                    content, calls = self.parse_response(turn.response_text)
+                    key = prefix_key(turn.messages + [response_message(content or "", calls)])
+                    self.by_prefix[key] = session_id
+                    session.prefix_keys.append(key)
+                if sid in journaled:
+                    main_turn.state = "submitted"
+                    continue
+                later = ordered[k + 1] if k + 1 < len(ordered) else None
+                next_state = next_states.get(sid) or (later.messages[-1] if later and later.messages else None)
+                if next_state is not None and next_state.content is not None and turn.messages:  # text recorded
+                    self._close_turn(session, main_turn, next_state, record=sid not in next_states)
+                    done["rejudged"] += 1
+                elif next_state is not None or later is not None:  # it had one; its text was not recorded
+                    main_turn.next_state = next_state
+                    self._emit(session, main_turn, score=None, mask=0, reward=0.0, votes=[], promoted=False)
+                    done["excluded_without_text"] += 1
+                else:
+                    done["open"] += 1  # the last turn: its next request may still come
+        done["sessions"] = self.counters["sessions_restored"]
+        return done
 
     # -- bookkeeping ------------------------------------------------------------------------
 

@@ -78,6 +78,7 @@ class Turn(msgspec.Struct, kw_only=True):
     finish_reason: FinishReason
     weights_version: int
     created: float = msgspec.field(default_factory=time.time)
+    session_uid: str = ""  # tells apart two sessions that reused one id; part of the sample id
 
 
 class Vote(msgspec.Struct):

@@ -29,7 +29,8 @@ def free_port() -> int:
 class Daemon:
     """`python -m ocrl serve` as a user starts it, with its own run directory."""
 
-    def __init__(self, record_dir: Path, *flags: str, api_key: str = API_KEY):
+    def __init__(self, record_dir: Path, *flags: str, api_key: str = API_KEY, env: dict[str, str] | None = None):
+        self.env = {**os.environ, **(env or {})}
         self.port = free_port()
         self.record_dir = record_dir
         self.api_key = api_key
@@ -43,7 +44,7 @@ class Daemon:
         if self.api_key:
             cmd += ["--api-key", self.api_key]
         self.log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT, env=self.env)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

@@ -11,6 +11,8 @@ import sys
 
 import anyio
 import httpx
+import msgspec
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -105,28 +107,83 @@ def test_refuses_a_public_address_without_a_key(tmp_path):
     assert "--api-key" in done.stderr and "--insecure-no-auth" in done.stderr
 
 
-async def test_queue_bound_answers_429_with_retry_after(tmp_path):
-    daemon = Daemon(tmp_path / "run", "--no-train", "--threads", "1", "--max-queued-requests", "1", "--max-batch-size", "1").start()
+@pytest.fixture(scope="module")
+def limited(tmp_path_factory):
+    """Small limits: one queued generation, one per batch, 64 tokens of context, 4 messages."""
+    daemon = Daemon(
+        tmp_path_factory.mktemp("limited") / "run", "--no-train", "--threads", "1", "--max-queued-requests", "1",
+        "--max-batch-size", "1", "--context-length", "64", "--max-messages", "4",
+    ).start()
+    yield daemon
+    daemon.stop()
+
+
+def test_max_tokens_is_clamped_to_the_context(limited):
+    body = {"messages": [{"role": "user", "content": "Tell me a long story about a dragon."}], "max_tokens": 10**9, "temperature": 0}
+    r = post(limited, msgspec.json.encode(body))
+    assert r.status_code == 200, r.text
+    usage = r.json()["usage"]
+    assert usage["prompt_tokens"] + usage["completion_tokens"] <= 64
+    if r.json()["choices"][0]["finish_reason"] == "length":  # it ran until the context was full
+        assert usage["prompt_tokens"] + usage["completion_tokens"] == 64
+
+
+def test_too_many_messages_or_tokens_is_400_and_changes_nothing(limited):
+    before = limited.stats()["sessions"]
+    five = {"messages": [{"role": "user", "content": "hi"}] * 5, "max_tokens": 2}
+    r = post(limited, msgspec.json.encode(five))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages" and "at most 4" in r.json()["error"]["message"]
+    long = {"messages": [{"role": "user", "content": "word " * 100}], "max_tokens": 2}
+    r = post(limited, msgspec.json.encode(long))
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    after = limited.stats()["sessions"]
+    assert after.get("main_turns", 0) == before.get("main_turns", 0) and after["sessions_open"] == before["sessions_open"]
+
+
+async def test_a_request_over_its_time_is_504_and_keeps_no_turn(tmp_path):
+    daemon = Daemon(tmp_path / "run", "--no-train", "--threads", "1", "--request-timeout", "0.3").start()
     try:
-        statuses, retry_after = [], []
-
-        async def ask(client, i):
-            r = await client.post(
-                "/v1/chat/completions", json={"messages": [{"role": "user", "content": f"Count to {i}"}], "max_tokens": 12},
-            )
-            statuses.append(r.status_code)
-            if r.status_code == 429:
-                retry_after.append(r.headers.get("retry-after"))
-                assert r.json()["error"]["type"] == "rate_limit_error"
-
-        headers = {"Authorization": f"Bearer {daemon.api_key}"}
-        async with httpx.AsyncClient(base_url=daemon.url, headers=headers, timeout=300) as client:
-            async with anyio.create_task_group() as tg:
-                for i in range(6):
-                    tg.start_soon(ask, client, i)
-            assert 429 in statuses and 200 in statuses and set(statuses) <= {200, 429}
-            assert all(value and value.isdigit() for value in retry_after)
-            after = await client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
-            assert after.status_code == 200
+        body = {"messages": [{"role": "user", "content": "Write a long poem."}], "max_tokens": 400, "temperature": 0}
+        r = post(daemon, msgspec.json.encode(body))
+        assert r.status_code == 504
+        error = r.json()["error"]
+        assert error["type"] == "timeout" and "0.3" in error["message"]
+        with httpx.stream(
+            "POST", daemon.url + "/v1/chat/completions", json={**body, "stream": True},
+            headers={"Authorization": f"Bearer {daemon.api_key}"}, timeout=120,
+        ) as streamed:
+            events = [line for line in streamed.iter_lines() if line.startswith("data: ")]
+        assert any('"type":"timeout"' in line for line in events) and events[-1] == "data: [DONE]"
+        stats = daemon.stats()
+        assert stats["sessions"].get("main_turns", 0) == 0 and stats["sessions"]["aborted_turns"] == 2
+        # the engine dropped both generations: it is idle again, and the daemon still serves
+        await anyio.sleep(1.0)
+        engine = daemon.stats()["engine"]
+        assert engine["queue_depth"] == 0 and engine["active"] == 0
+        assert httpx.get(daemon.url + "/healthz").status_code == 200
     finally:
         daemon.stop()
+
+
+async def test_queue_bound_answers_429_with_retry_after(limited):
+    daemon = limited
+    statuses, retry_after = [], []
+
+    async def ask(client, i):
+        r = await client.post(
+            "/v1/chat/completions", json={"messages": [{"role": "user", "content": f"Count to {i}"}], "max_tokens": 12},
+        )
+        statuses.append(r.status_code)
+        if r.status_code == 429:
+            retry_after.append(r.headers.get("retry-after"))
+            assert r.json()["error"]["type"] == "rate_limit_error"
+
+    headers = {"Authorization": f"Bearer {daemon.api_key}"}
+    async with httpx.AsyncClient(base_url=daemon.url, headers=headers, timeout=300) as client:
+        async with anyio.create_task_group() as tg:
+            for i in range(6):
+                tg.start_soon(ask, client, i)
+        assert 429 in statuses and 200 in statuses and set(statuses) <= {200, 429}
+        assert all(value and value.isdigit() for value in retry_after)
+        after = await client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+        assert after.status_code == 200

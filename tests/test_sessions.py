@@ -184,3 +184,41 @@ async def test_idle_sessions_close_as_if_done():
 def test_bad_turn_type_is_refused():
     with pytest.raises(ValueError):
         Harness().turn([{"role": "user", "content": "q"}], turn_type="sideways")
+
+
+async def test_restore_after_a_crash_judges_again_and_reopens_what_had_no_sample(tmp_path):
+    from ocrl.records import Records
+
+    def harness(records):
+        h = Harness(records=records)
+        h.sessions.submit = lambda sample: (records.journal(sample), h.samples.append(sample))
+        return h
+
+    # the first process: no judging loop runs, as if it died before the votes came back
+    first = harness(Records(tmp_path))
+    q = [{"role": "user", "content": "q"}]
+    first.turn(q, session_id="a")
+    first.turn(q + [{"role": "assistant", "content": "ok"}, {"role": "user", "content": "thanks a lot"}], session_id="a")
+    first.turn(q, session_id="b", done=True)  # a one-turn session: its sample is journaled at once
+    uid = first.sessions.sessions["a"].uid
+    assert [s.sample_id for s in first.samples] == [f"b:{first.samples[0].sample_id.split(':')[1]}:0"]
+
+    records = Records(tmp_path)
+    second = harness(records)
+    done = second.sessions.restore(records.main_turns(), records.next_states(), records.journaled())
+    assert (done["sessions"], done["rejudged"], done["open"]) == (1, 1, 1)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(second.sessions.run)
+        await second.settle()
+        assert [(s.sample_id, s.score, s.next_state) for s in second.samples] == [(f"a:{uid}:0", 1, "thanks a lot")]
+        # the client carries on without a header: its prefix threads it into the restored session
+        history = q + [{"role": "assistant", "content": "ok"}, {"role": "user", "content": "thanks a lot"}, {"role": "assistant", "content": "ok"}]
+        turn, _ = second.turn(history + [{"role": "user", "content": "wrong again"}], done=True)
+        await second.settle()
+        tg.cancel_scope.cancel()
+    assert (turn.session_id, turn.index, turn.session_uid) == ("a", 2, uid)
+    by_id = {s.sample_id: s for s in second.samples}
+    assert by_id[f"a:{uid}:1"].score == -1 and by_id[f"a:{uid}:2"].score is None
+    # a third process finds nothing left to restore
+    records = Records(tmp_path)
+    assert harness(records).sessions.restore(records.main_turns(), records.next_states(), records.journaled())["sessions"] == 0

@@ -3,6 +3,9 @@ trains from real traffic while it keeps serving, and --resume continues at the s
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+
 import anyio
 import httpx
 import msgspec
@@ -21,6 +24,8 @@ def read_jsonl(path) -> list[dict]:
 
 
 async def test_lora_on_embedded_raises_rewarded_and_lowers_punished(embedded):
+    # the engine swaps trained weights into its model: a copy, not the shared fixture's
+    embedded = dataclasses.replace(embedded, model=copy.deepcopy(embedded.model))
     engine = HFEngine(embedded)
     config = Config(lr=1e-3, rollout_batch_size=4, lora_rank=8, lora_alpha=16)
     trainer = Trainer(config, embedded.model, engine=engine)

@@ -58,6 +58,7 @@ from pathlib import Path
 import anyio
 import torch
 
+from ocrl.faults import crash_point
 from ocrl.train.loss import entropy_from_logits, grpo_advantages, policy_loss, token_logprobs
 from ocrl.types import Progress, Sample, TrainStep, WeightsSwapped
 
@@ -521,6 +522,7 @@ class Trainer:
             # 1-3. micro-batched gradients, clip, AdamW; merged weights and our probe log-probs
             self.probe = _probe_sample(*split_prompt(batch[0]))
             metrics, tensors, probe_logprobs = await anyio.to_thread.run_sync(self._train, batch, references)
+            crash_point("train_step")
             self.steps += 1
             self.consumed_samples += len(batch)
             # 4-5. swap into the engine as the next version, and check it serves what we trained
@@ -715,6 +717,7 @@ class Trainer:
             save_model(self.model, str(staging / "model.safetensors"))  # handles tied weights
 
     def _finish_checkpoint(self, staging: Path, final: Path, state: dict) -> None:
+        crash_point("checkpoint")
         (staging / "state.json").write_text(json.dumps(state))
         if final.exists():  # re-saving a step: swap the old one out, then drop it
             old = final.with_name(final.name + ".old")

@@ -1,0 +1,33 @@
+"""A short loopback soak (the long one is `python -m ocrl bench soak`): 100 concurrent sessions
+through the real HTTP server for a while; no request fails, resident memory stays bounded, and
+every main turn's sample is journaled exactly once."""
+
+from __future__ import annotations
+
+import anyio
+
+from conftest import API_KEY, Daemon
+from ocrl import soak
+
+SESSIONS, SECONDS = 100, 20
+
+
+async def test_soak_fails_nothing_grows_little_and_accounts_for_every_sample(tmp_path):
+    daemon = Daemon(tmp_path / "run", "--no-train", "--threads", "1", "--max-batch-size", "16").start()
+    try:
+        report = await soak.soak(daemon.url + "/v1", API_KEY, sessions=SESSIONS, seconds=SECONDS, max_tokens=2)
+        with anyio.fail_after(120):  # the last verdicts
+            while daemon.stats()["sessions"]["judging"]:
+                await anyio.sleep(0.2)
+        stats = daemon.stats()
+    finally:
+        assert daemon.stop() == 0
+    assert report.failures == []
+    assert report.sessions >= SESSIONS and report.requests >= SESSIONS * 2
+    warm, end = report.rss_growth()
+    assert warm > 0 and end <= warm * 1.10 + 64, f"RSS grew from {warm:.0f} MiB to {end:.0f} MiB"
+    accounting = soak.account(daemon.record_dir)
+    assert accounting["main_turns"] == report.requests  # every request was a main turn
+    assert accounting["missing"] == 0 and accounting["journaled_twice"] == 0
+    assert accounting["journaled"] == accounting["main_turns"]
+    assert stats["sessions"]["sessions_open"] == 0  # every session ended
