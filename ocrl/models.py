@@ -14,6 +14,7 @@ import importlib.util
 import logging
 import os
 import shutil
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -135,10 +136,20 @@ def pick_device(device: str) -> str:
     return device
 
 
+def quiet_progress_bars() -> None:
+    """Logs are plain lines when not on a terminal: no carriage-return progress bars from
+    transformers (our own progress is logged as lines and published as events)."""
+    if not sys.stderr.isatty():
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+
+
 def load(model: str = "embedded", *, device: str = "auto", dtype: str = "auto") -> LoadedModel:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    quiet_progress_bars()
     kind, where = resolve(model)
     name = short_name(model, kind, where)
     device = pick_device(device)

@@ -417,6 +417,9 @@ class SentenceEncoder:
     def __init__(self, model_path: str | Path, max_length: int = 256) -> None:
         from transformers import AutoModel, AutoTokenizer
 
+        from ocrl.models import quiet_progress_bars
+
+        quiet_progress_bars()
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_path), local_files_only=True)
         self.model = AutoModel.from_pretrained(str(model_path), local_files_only=True).eval()
         self.max_length = max_length

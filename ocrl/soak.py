@@ -142,6 +142,10 @@ def print_report(report: SoakReport, accounting: dict, sessions: int) -> None:
           f"{len(report.failures)} failed")
     print(f"  latency p50 {p(0.5):.2f} s, p99 {p(0.99):.2f} s, max {lat[-1]:.2f} s")
     print(f"  RSS end / warm {end / warm if warm else 0:6.3f}x   ({end:.0f} MiB vs {warm:.0f} MiB once warm)")
+    if report.rss_mb:  # the shape: a one-time rise (the trainer's first step) then flat, or a climb
+        span = report.rss_mb[-1][0]
+        marks = [next(mb for t, mb in report.rss_mb if t >= span * q) for q in (0.25, 0.5, 0.75, 1.0)]
+        print("  RSS at 1/4, 1/2, 3/4, end of the run: " + ", ".join(f"{mb:.0f}" for mb in marks) + " MiB")
     print(f"  samples: {accounting['journaled']} journaled for {accounting['main_turns']} main turns, {accounting['missing']} missing, "
           f"{accounting['journaled_twice']} twice, {accounting['effective']} effective")
     for failure in report.failures[:5]:
