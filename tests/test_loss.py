@@ -7,8 +7,11 @@ import torch
 from torch.testing import assert_close
 
 from ocrl.train.loss import (
+    combined_advantages,
     entropy_from_logits,
     grpo_advantages,
+    opd_advantages,
+    topk_reverse_kl,
     k3_kl,
     masked_mean_per_sample_then_batch,
     policy_loss,
@@ -191,3 +194,39 @@ def test_unclipped_gradient_is_minus_advantage_times_ratio_over_length():
     loss, _ = policy_loss(logprobs, torch.zeros(1, 4), t([[1, 1, -1, 2]]), torch.ones(1, 4))
     loss.backward()
     assert_close(logprobs.grad, t([[-0.27629, -0.22621, 0.30535, -0.5]]), atol=1e-5, rtol=0)
+
+
+def test_opd_advantage_is_teacher_minus_old_on_masked_tokens():
+    # [-1 - (-1.5), masked out, -3 - (-2)] = [0.5, 0, -1]
+    a = opd_advantages(t([[-1.0, -2.0, -3.0]]), t([[-1.5, -1.0, -2.0]]), t([[1, 0, 1]]))
+    assert_close(a, t([[0.5, 0.0, -1.0]]))
+
+
+def test_combined_advantage_weights_both_terms_and_only_hinted_samples_distill():
+    teacher, old, mask = t([[-1.0, -2.0], [-1.0, -2.0]]), t([[-1.5, -1.0], [-1.5, -1.0]]), t([[1, 1], [1, 1]])
+    rewards, hinted = t([1.0, -1.0]), torch.tensor([True, False])
+    a = combined_advantages(rewards, teacher, old, mask, hinted, w_rl=1.0, w_opd=2.0)
+    # sample 0: 1 + 2 * [0.5, -1] = [2, -1]; sample 1 (no hint): the RL term only, [-1, -1]
+    assert_close(a, t([[2.0, -1.0], [-1.0, -1.0]]))
+
+
+def test_topk_reverse_kl_by_hand_with_the_tail_bin():
+    # student p = [0.5, 0.3, 0.2]; teacher top-1 = token 0 with p 0.8
+    # bins: student [0.5, tail 0.5], teacher [0.8, tail 0.2]
+    # KL = 0.5 ln(0.5/0.8) + 0.5 ln(0.5/0.2) = 0.5 * (-0.470004) + 0.5 * 0.916291 = 0.223144
+    student = torch.log(t([[[0.5, 0.3, 0.2]]]))
+    kl = topk_reverse_kl(student, torch.tensor([[[0]]]), torch.log(t([[[0.8]]])), t([[1]]))
+    assert_close(kl, t([[0.5 * math.log(0.5 / 0.8) + 0.5 * math.log(0.5 / 0.2)]]))
+    assert abs(kl.item() - 0.223144) < 1e-5
+
+
+def test_topk_reverse_kl_zero_when_equal_masked_and_differentiable():
+    logits = torch.randn(1, 2, 6, requires_grad=True)
+    logprobs = torch.log_softmax(logits, -1)
+    top = logprobs.detach().topk(3, dim=-1)
+    kl = topk_reverse_kl(logprobs, top.indices, top.values, t([[1, 0]]))
+    assert_close(kl, t([[0.0, 0.0]]), atol=1e-6, rtol=0)  # same distribution: 0; masked: 0
+    shifted = topk_reverse_kl(logprobs, top.indices, top.values - 0.5, t([[1, 1]]))
+    assert (shifted > 0).all()  # the teacher puts less mass on the top-K: KL > 0
+    shifted.sum().backward()
+    assert logits.grad is not None and logits.grad.abs().sum() > 0

@@ -46,6 +46,52 @@ def grpo_advantages(rewards: torch.Tensor, loss_mask: torch.Tensor) -> torch.Ten
     return torch.where(loss_mask.bool(), broadcast, 0.0)  # (B, T)
 
 
+def opd_advantages(teacher_logprobs: torch.Tensor, old_logprobs: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+    """On-policy distillation: A_t = log pi_teacher(a_t | s + hint) - log pi_old(a_t | s) on
+    masked-in tokens, 0 elsewhere. The teacher is the frozen reference with the hint in context."""
+    gap = teacher_logprobs.float() - old_logprobs.float()  # (B, T)
+    return torch.where(loss_mask.bool(), gap, 0.0)
+
+
+def combined_advantages(
+    rewards: torch.Tensor,
+    teacher_logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    loss_mask: torch.Tensor,
+    has_hint: torch.Tensor,
+    *,
+    w_rl: float = 1.0,
+    w_opd: float = 1.0,
+) -> torch.Tensor:
+    """A_t = w_rl * r + w_opd * (teacher - old) per token; the distillation term only for the
+    samples (has_hint, (B,)) whose turn got an accepted hint, the RL term for every sample."""
+    rl = grpo_advantages(rewards, loss_mask)  # (B, T)
+    opd = opd_advantages(teacher_logprobs, old_logprobs, loss_mask) * has_hint.float().unsqueeze(-1)  # (B, T)
+    return w_rl * rl + w_opd * opd
+
+
+def topk_reverse_kl(
+    logprobs: torch.Tensor, teacher_ids: torch.Tensor, teacher_logprobs: torch.Tensor, loss_mask: torch.Tensor
+) -> torch.Tensor:
+    """Per-token reverse KL(student || teacher) over K+1 bins: the teacher's top-K tokens and a
+    tail bin holding the rest of the mass, log(1 - sum_k p_k) on each side.
+
+    logprobs: the student's full log-softmax (B, T, V); teacher_ids / teacher_logprobs: (B, T, K).
+    Returns (B, T), 0 where the mask is 0.
+    """
+    student_k = logprobs.float().gather(-1, teacher_ids.long())  # (B, T, K)
+    teacher_k = teacher_logprobs.float()  # (B, T, K)
+
+    def tail(k_logprobs: torch.Tensor) -> torch.Tensor:  # log(1 - sum_k p_k), kept finite
+        covered = k_logprobs.exp().sum(-1, keepdim=True).clamp(max=1.0 - 1e-6)  # (B, T, 1)
+        return torch.log1p(-covered)
+
+    student = torch.cat([student_k, tail(student_k)], dim=-1)  # (B, T, K+1)
+    teacher = torch.cat([teacher_k, tail(teacher_k)], dim=-1)  # (B, T, K+1)
+    kl = (student.exp() * (student - teacher)).sum(-1)  # (B, T)
+    return torch.where(loss_mask.bool(), kl, 0.0)
+
+
 def k3_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
     """Per-token k3 estimate of KL(pi_theta || pi_ref); >= 0, and 0 iff equal."""
     log_ratio = ref_logprobs - logprobs  # (B, T)
