@@ -50,6 +50,15 @@ def _lines(path: Path):
     return path.read_bytes().splitlines() if path.exists() else []
 
 
+def _decoded(path: Path, decoder: msgspec.json.Decoder):
+    """The rows of a JSONL file, a torn line (the process died writing it) left out."""
+    for line in _lines(path):
+        try:
+            yield decoder.decode(line)
+        except msgspec.DecodeError:
+            log.warning("skipping a torn line in %s (the process died while writing it)", path.name)
+
+
 def new_run_dir(root: str = "runs") -> Path:
     stamp = time.strftime("%Y%m%d-%H%M%S")
     path = Path(root) / stamp
@@ -130,14 +139,7 @@ class Records:
 
     def journaled(self) -> dict[str, bool]:
         """Journaled sample ids -> whether the sample is effective (has a loss-mask 1 token)."""
-        out = {}
-        for line in _lines(self.dir / "journal.jsonl"):
-            try:
-                sample = _sample_decoder.decode(line)
-            except msgspec.DecodeError:
-                continue
-            out[sample.sample_id] = sample.effective
-        return out
+        return {sample.sample_id: sample.effective for sample in _decoded(self.dir / "journal.jsonl", _sample_decoder)}
 
     def main_turns(self) -> list[Turn]:
         """Main turns recorded by earlier processes (text fields empty when not recorded)."""
@@ -160,40 +162,18 @@ class Records:
         self._next_states.write(NextState(sample_id, message))
 
     def next_states(self) -> dict[str, Message]:
-        out = {}
-        for line in _lines(self.dir / "next_states.jsonl"):
-            try:
-                row = _next_state_decoder.decode(line)
-            except msgspec.DecodeError:
-                continue
-            out[row.sample_id] = row.message
-        return out
+        return {row.sample_id: row.message for row in _decoded(self.dir / "next_states.jsonl", _next_state_decoder)}
 
     def backlog(self, trained_through: int | None = None) -> list[Sample]:
         """Samples journaled by an earlier process and not yet trained on, in journal order."""
         consumed = self.consumed_ids(trained_through)
         seen, out = set(), []
-        path = self.dir / "journal.jsonl"
-        for line in path.read_bytes().splitlines() if path.exists() else []:
-            try:
-                sample = _sample_decoder.decode(line)
-            except msgspec.DecodeError:
-                log.warning("skipping a torn journal line (the process died while writing it)")
-                continue
+        for sample in _decoded(self.dir / "journal.jsonl", _sample_decoder):
             if sample.sample_id not in consumed and sample.sample_id not in seen:
                 seen.add(sample.sample_id)
                 out.append(sample)
         return out
 
-    def journal_ids(self) -> set[str]:
-        path = self.dir / "journal.jsonl"
-        ids = set()
-        for line in path.read_bytes().splitlines() if path.exists() else []:
-            try:
-                ids.add(_sample_decoder.decode(line).sample_id)
-            except msgspec.DecodeError:
-                continue
-        return ids
 
     def journal(self, sample: Sample) -> None:
         if not self.record_text:  # token ids stay: they are what training needs
