@@ -27,6 +27,9 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     insecure_no_auth: bool = False
     headless: bool = False
     device: str = "auto"  # auto | cpu | cuda
+    engine: Literal["auto", "hf", "sglang"] = "auto"  # auto: sglang with CUDA and the gpu extra, else hf
+    engine_mem_fraction: float = 0.5  # sglang: share of GPU memory for its static pool; the trainer gets the rest
+    random_init: str = ""  # a named architecture with random weights (systems benchmarks without weights), e.g. qwen3-4b
     dtype: str = "auto"  # auto (fp32 on CPU, bf16 on GPU) | float32 | bfloat16 | float16
     max_batch_size: int = 8
     max_body_bytes: int = 8 * 1024 * 1024

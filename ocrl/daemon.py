@@ -25,6 +25,7 @@ from ocrl import chat, models, records as records_mod
 from ocrl.api import Api
 from ocrl.config import Config, ConfigError
 from ocrl.engine.hf import HFEngine
+from ocrl.engine.select import build_engine
 from ocrl.events import Events
 from ocrl.sessions import Sessions
 from ocrl.types import Progress, SamplingParams
@@ -141,9 +142,7 @@ class Daemon:
         loaded = await anyio.to_thread.run_sync(lambda: models.load(config.model, device=config.device, dtype=config.dtype))
         self.loaded = loaded
         self.events.publish(Progress(task="loading model", done=1, total=3))
-        self.engine = HFEngine(
-            loaded, max_batch_size=config.max_batch_size, max_queued=config.max_queued_requests, max_context=config.context_length
-        )
+        self.engine = await build_engine(config, loaded)
         run_dir = Path(config.record_dir) if config.record_dir else None
         if run_dir is None and config.resume:
             run_dir = records_mod.newest_run_dir()
