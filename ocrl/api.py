@@ -300,6 +300,7 @@ class Api:
             turn_type=turn_type,
             session_done=bool(_header_bool(headers.get("x-session-done")) or body.session_done),
             messages=messages,
+            tools=tools,
         )
         # 2. generate
         tokens = self.engine.stream(prompt_ids, params)

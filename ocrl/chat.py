@@ -101,6 +101,28 @@ def prompt_ids(tokenizer, messages: list[Message], tools: list[dict] | None = No
     return list(ids)
 
 
+HINT_LABEL = "Hint (learned in hindsight)"
+
+
+def with_hints(messages: list[Message], hints: list[str], placement: str = "user") -> list[Message]:
+    """The teacher's messages: the turn's messages with hints added, either appended to the last
+    user message ("user") or as a system note after it ("system"). A prompt without a user
+    message gets the system note."""
+    if not hints:
+        return list(messages)
+    body = hints[0] if len(hints) == 1 else "\n".join(f"- {hint}" for hint in hints)
+    note = f"[{HINT_LABEL}]\n{body}"
+    last_user = max((i for i, m in enumerate(messages) if m.role == "user"), default=None)
+    out = list(messages)
+    if placement == "user" and last_user is not None:
+        message = out[last_user]
+        out[last_user] = Message(role="user", content=f"{message.content or ''}\n\n{note}", name=message.name)
+    else:
+        at = last_user + 1 if last_user is not None else len(out)
+        out.insert(at, Message(role="system", content=note))
+    return out
+
+
 def parse_completion(text: str, tools_offered: bool) -> tuple[str | None, list[dict], str | None]:
     """Completion text -> (content, tool_calls, reasoning). Unparseable tool blocks stay content."""
     reasoning = None

@@ -55,7 +55,14 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     prm_margin: float = 0.03
     # training
     no_train: bool = False
-    method: Literal["rl"] = "rl"
+    method: Literal["rl", "opd", "combine"] = "rl"  # binary RL, distillation from hindsight hints, or both
+    w_rl: float = 1.0  # combine: A_t = w_rl * r + w_opd * (teacher - old)
+    w_opd: float = 1.0
+    distill_topk: int = 0  # > 0: reverse KL over the teacher's top-K tokens + a tail bin instead of the PPO distillation term
+    hint_placement: Literal["user", "system"] = "user"  # where the teacher sees the hint
+    hint_min_chars: int = 10  # a hint must be longer than this
+    experience: Literal["off", "session", "cross-session"] = "off"  # earlier hints as the teacher's context
+    experience_max: int = 8  # hints kept as experience (per session, or across sessions)
     rollout_batch_size: int = 16
     lr: float = 1e-5
     weight_decay: float = 0.1

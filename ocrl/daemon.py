@@ -160,6 +160,7 @@ class Daemon:
             default_turn_type=config.default_turn_type,
             timeout=config.session_timeout,
             parse_response=lambda text: chat.parse_completion(text, True)[:2],
+            distill=self._build_distill(loaded),
         )
         if not config.no_train:
             from ocrl.train.trainer import Trainer
@@ -186,6 +187,7 @@ class Daemon:
         from ocrl import prm
 
         config = self.config
+        self.completer = None
         mode = config.prm_mode
         if mode == "auto":
             mode = "generate" if (config.prm_url or self.engine.device.type == "cuda") else "embed"
@@ -205,10 +207,36 @@ class Daemon:
                 completer = EngineCompleter(self.judge_engine, judge_loaded.tokenizer)
             else:
                 completer = EngineCompleter(self.engine, loaded.tokenizer)
+        self.completer = completer
         log.info("judge: %s, m=%d", mode, config.prm_m)
         if mode == "verdict":
             return prm.VerdictJudge(completer.verdict_probs, m=config.prm_m, seed=config.seed)
         return prm.GenerateJudge(completer, m=config.prm_m, temperature=config.prm_temperature, max_tokens=config.prm_max_tokens)
+
+    def _build_distill(self, loaded):
+        """--method opd|combine: the hint judge (the embed judge's reading of corrections on CPU,
+        else m generated votes) and the teacher's prompt (the turn's messages plus hints)."""
+        from ocrl import prm
+        from ocrl.sessions import Distill
+
+        config = self.config
+        if config.method == "rl":
+            return None
+        if self.completer is not None:
+            hinter = prm.GenerateHintJudge(
+                self.completer, m=config.prm_m, temperature=config.prm_temperature, max_tokens=config.prm_max_tokens,
+                min_chars=config.hint_min_chars,
+            )
+        else:
+            hinter = prm.EmbedHintJudge(self.judge, min_chars=config.hint_min_chars)
+        log.info("method: %s, hint judge %s, hint in the %s message, experience %s", config.method, hinter.name,
+                 config.hint_placement, config.experience)
+        tokenizer = loaded.tokenizer
+
+        def teacher_prompt(turn, hints: list[str]) -> list[int]:
+            return chat.prompt_ids(tokenizer, chat.with_hints(turn.messages, hints, config.hint_placement), turn.tools)
+
+        return Distill(config.method, hinter.hint, teacher_prompt, config.experience, config.experience_max)
 
     # 2. samples: journaled durably, then queued for the trainer (or excluded by rule)
     def submit(self, sample) -> None:

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Literal, Protocol
 import anyio
 import msgspec
 
-from ocrl.types import Verdict, Vote
+from ocrl.types import Hint, Verdict, Vote
 
 if TYPE_CHECKING:
     import torch
@@ -177,9 +177,8 @@ class GenerateJudge:
             return Vote(score=None, text=f"error: {type(error).__name__}: {error}")
         return Vote(score=parse_boxed(text), text=text)
 
-    async def judge(self, response: str, next_state: str, role: str) -> Verdict:
-        started = time.perf_counter()
-        messages = judge_messages(response, next_state, role)
+    async def votes(self, messages: ChatMessages) -> list[Vote]:
+        """m votes on one judge chat, concurrently, in index order."""
         votes: list[Vote | None] = [None] * self.m
 
         async def cast(index: int) -> None:
@@ -188,7 +187,11 @@ class GenerateJudge:
         async with anyio.create_task_group() as group:
             for index in range(self.m):
                 group.start_soon(cast, index)
-        done = [vote for vote in votes if vote is not None]
+        return [vote for vote in votes if vote is not None]
+
+    async def judge(self, response: str, next_state: str, role: str) -> Verdict:
+        started = time.perf_counter()
+        done = await self.votes(judge_messages(response, next_state, role))
         return Verdict(
             score=majority(vote.score for vote in done),
             votes=done,
@@ -509,6 +512,92 @@ class EmbedJudge:
         started = time.perf_counter()
         vote = await anyio.to_thread.run_sync(self.classify, next_state, role)
         return Verdict(score=vote.score or 0, votes=[vote], mode=self.name, seconds=time.perf_counter() - started)
+
+
+# -- the hint judge (--method opd|combine) -----------------------------------------------------
+
+HINT_START, HINT_END = "[HINT]", "[/HINT]"
+
+_HINT_RUBRIC = f"""\
+You read one reply of an AI assistant and the message that came right after it, the "next \
+state": the user's next message or the output of a tool the assistant called. Decide whether \
+the next state reveals something the assistant should have known when it wrote the reply: a \
+correction, a preference about length, tone or format, a missing step, a fact, an error to avoid.
+
+If it does, write that lesson as a short instruction to the assistant (one or two sentences, \
+imperative, general enough to apply before the reply was written) between {HINT_START} and \
+{HINT_END}, then give \\boxed{{1}} on the last line. If the next state teaches nothing (thanks, \
+approval, a new unrelated task, an empty output), answer \\boxed{{-1}} with no hint."""
+
+_HINT_BLOCK = re.compile(re.escape(HINT_START) + r"(.*?)" + re.escape(HINT_END), re.S)
+
+
+def hint_messages(response: str, next_state: str, role: str, *, max_chars: int = 6000) -> ChatMessages:
+    """The hint judge's chat: its rubric as system message, the reply and next state as user message."""
+    source = _SOURCES.get(role, f"a message from the {role or 'environment'}")
+    user = (
+        f"Assistant reply:\n<reply>\n{_clip(response, max_chars)}\n</reply>\n\n"
+        f"Next state, {source}:\n<next_state>\n{_clip(next_state, max_chars)}\n</next_state>\n\n"
+        f"Does the next state teach the assistant something? Hint between {HINT_START} and {HINT_END}, then \\boxed{{1}}; "
+        "or \\boxed{-1}."
+    )
+    return [{"role": "system", "content": _HINT_RUBRIC}, {"role": "user", "content": user}]
+
+
+def parse_hint(text: str) -> str | None:
+    """The text of the last complete hint block, whitespace collapsed; None without one."""
+    blocks = _HINT_BLOCK.findall(text or "")
+    return " ".join(blocks[-1].split()) if blocks else None
+
+
+def select_hint(votes: Sequence[Vote], min_chars: int = 10) -> str | None:
+    """The hint of the votes: the longest hint of a vote that scored +1 (the next state carries
+    a usable hint), when it is longer than `min_chars` characters; else None (no OPD signal)."""
+    hints = [parse_hint(vote.text) for vote in votes if vote.score == 1]
+    usable = [hint for hint in hints if hint and len(hint) > min_chars]
+    return max(usable, key=len) if usable else None
+
+
+class GenerateHintJudge:
+    """m concurrent votes of an LLM on (reply, next state), each a boxed +1/-1 and, with +1, a
+    hint between markers; `select_hint` keeps the longest. A failed vote is unparseable."""
+
+    name = "generate-hint"
+
+    def __init__(self, complete: Complete, m: int = 3, temperature: float = 0.6, max_tokens: int = 256, *, min_chars: int = 10,
+                 seed: int | None = None, vote_timeout: float = 120.0) -> None:
+        self.voter = GenerateJudge(complete, m, temperature, max_tokens, seed=seed, vote_timeout=vote_timeout)
+        self.min_chars = min_chars
+
+    async def hint(self, response: str, next_state: str, role: str) -> Hint:
+        started = time.perf_counter()
+        votes = await self.voter.votes(hint_messages(response, next_state, role))
+        return Hint(hint=select_hint(votes, self.min_chars), votes=votes, mode=self.name, seconds=time.perf_counter() - started)
+
+
+class EmbedHintJudge:
+    """The CPU hint judge: where `EmbedJudge` reads the next state as a correction (a user's
+    complaint or redo request, a tool's error), the next state's own words are the hint, since
+    they name what was wrong; anything else carries no hint. One deterministic vote."""
+
+    name = "embed-hint"
+
+    def __init__(self, judge: EmbedJudge, *, min_chars: int = 10, max_chars: int = 600) -> None:
+        self.judge = judge
+        self.min_chars = min_chars
+        self.max_chars = max_chars
+
+    def vote(self, next_state: str, role: str) -> Vote:
+        verdict = self.judge.classify(next_state, role)
+        if verdict.score != -1:
+            return Vote(score=-1, text=f"{verdict.text}: no correction, no hint")
+        words = " ".join(next_state.split())
+        return Vote(score=1, text=f"{verdict.text}: {HINT_START}{_clip(words, self.max_chars)}{HINT_END}")
+
+    async def hint(self, response: str, next_state: str, role: str) -> Hint:
+        started = time.perf_counter()
+        vote = await anyio.to_thread.run_sync(self.vote, next_state, role)
+        return Hint(hint=select_hint([vote], self.min_chars), votes=[vote], mode=self.name, seconds=time.perf_counter() - started)
 
 
 # -- measuring a judge --------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import msgspec
 
-from ocrl.types import Message, Sample, Turn
+from ocrl.types import Message, Sample, Turn, Vote
 
 log = logging.getLogger("ocrl.records")
 
@@ -96,6 +96,14 @@ class _Appender:
         self.file.close()
 
 
+def _without_text(sample: Sample) -> Sample:
+    """The sample with the words of the conversation dropped (--no-record-text); ids stay."""
+    return msgspec.structs.replace(
+        sample, next_state=None, hint=None if sample.hint is None else "", experience=["" for _ in sample.experience],
+        hint_votes=[Vote(v.score, "") for v in sample.hint_votes],
+    )
+
+
 class Records:
     def __init__(self, directory: Path, *, record_text: bool = True):
         self.dir = Path(directory)
@@ -104,6 +112,8 @@ class Records:
         self.turns = _Appender(self.dir / "turns.jsonl", durable=True)
         self._next_states = _Appender(self.dir / "next_states.jsonl", durable=True)
         self.verdicts = _Appender(self.dir / "verdicts.jsonl")
+        self.hints = _Appender(self.dir / "hints.jsonl")  # --method opd|combine: the hint judge's answers
+        self.distilled = _Appender(self.dir / "distilled.jsonl")  # per distilled sample: its teacher advantage at its step
         self.samples = _Appender(self.dir / "samples.jsonl")
         self.metrics = _Appender(self.dir / "metrics.jsonl")
         self._journal = _Appender(self.dir / "journal.jsonl", durable=True)
@@ -177,7 +187,7 @@ class Records:
 
     def journal(self, sample: Sample) -> None:
         if not self.record_text:  # token ids stay: they are what training needs
-            sample = msgspec.structs.replace(sample, next_state=None)
+            sample = _without_text(sample)
         self._journal.write(sample)
 
     def consumed(self, sample_ids: list[str], step: int | None = None) -> None:
@@ -200,12 +210,24 @@ class Records:
             row["next_state"] = None
         self.verdicts.write(row)
 
+    def hint(self, session_id: str, index: int, hint) -> None:
+        row = {"session_id": session_id, "turn_index": index, **msgspec.to_builtins(hint)}
+        if not self.record_text:
+            row["hint"], row["votes"] = (None if row["hint"] is None else ""), [{**v, "text": ""} for v in row["votes"]]
+        self.hints.write(row)
+
+    def distill(self, rows: list[dict]) -> None:
+        for row in rows:
+            self.distilled.write(self._text(dict(row), "hint"))
+
     def sample(self, sample: Sample) -> None:
-        self.samples.write(self._text(msgspec.to_builtins(sample), "next_state"))
+        if not self.record_text:
+            sample = _without_text(sample)
+        self.samples.write(msgspec.to_builtins(sample))
 
     def metric(self, row: dict) -> None:
         self.metrics.write(row)
 
     def close(self) -> None:
-        for appender in (self.turns, self._next_states, self.verdicts, self.samples, self.metrics, self._journal, self._consumed):
+        for appender in (self.turns, self._next_states, self.verdicts, self.hints, self.distilled, self.samples, self.metrics, self._journal, self._consumed):
             appender.close()

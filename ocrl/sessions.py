@@ -23,7 +23,7 @@ import json
 import logging
 import time
 import uuid
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable
 
@@ -31,7 +31,7 @@ import anyio
 import msgspec
 
 from ocrl.faults import crash_point
-from ocrl.types import Completion, Message, Sample, SampleReady, SessionChanged, Turn, TurnServed, Verdict, VerdictReady, Vote
+from ocrl.types import Completion, Hint, Message, Sample, SampleReady, SessionChanged, Turn, TurnServed, Verdict, VerdictReady, Vote
 
 log = logging.getLogger("ocrl.sessions")
 
@@ -42,6 +42,7 @@ class Ticket:
     turn_type: str
     session_done: bool
     messages: list[Message]
+    tools: list[dict] | None = None
     started: float = field(default_factory=time.monotonic)
 
 
@@ -62,6 +63,7 @@ class Session:
     closed: bool = False
     last_seen: float = field(default_factory=time.monotonic)
     prefix_keys: list[str] = field(default_factory=list)
+    hints: list[str] = field(default_factory=list)  # accepted hints, in order (--experience session)
 
     @property
     def judging(self) -> int:
@@ -102,6 +104,25 @@ def sample_id(session: Session, turn: Turn) -> str:
 JudgeFn = Callable[[str, str, str], Awaitable[Verdict]]
 
 
+@dataclass
+class Distill:
+    """What --method opd|combine adds: a hint judge, and how to build the teacher's prompt
+    (the turn's prompt with hints added) as token ids.
+
+    - opd: a turn yields a trainable sample only when the teacher has a hint for it; no reward.
+    - combine: the reward as in rl, plus the teacher signal when there is a hint; a turn with
+      either is trainable, one with neither follows the rl rules (at-least-one).
+    - experience: session | cross-session: the accepted hints of the session's earlier turns
+      (or of recent turns of any session, newest `experience_max`) join the teacher's context,
+      so a turn can be distilled without a hint of its own."""
+
+    method: str  # opd | combine
+    hint: Callable[[str, str, str], Awaitable[Hint]]
+    teacher_prompt: Callable[[Turn, list[str]], list[int]]
+    experience: str = "off"  # off | session | cross-session
+    experience_max: int = 8
+
+
 class Sessions:
     def __init__(
         self,
@@ -113,8 +134,12 @@ class Sessions:
         default_turn_type: str = "main",
         timeout: float = 1800.0,
         parse_response: Callable[[str], tuple[str | None, list[dict]]] | None = None,
+        distill: Distill | None = None,
     ):
         self.judge = judge
+        self.distill = distill
+        self.method = distill.method if distill else "rl"
+        self._recent_hints: deque[str] = deque(maxlen=distill.experience_max if distill else 1)
         self.submit = submit
         self.records = records
         self.events = events
@@ -129,7 +154,9 @@ class Sessions:
 
     # -- the API side -----------------------------------------------------------------------
 
-    def begin(self, *, session_id: str | None, turn_type: str | None, session_done: bool, messages: list[Message]) -> Ticket:
+    def begin(
+        self, *, session_id: str | None, turn_type: str | None, session_done: bool, messages: list[Message], tools: list[dict] | None = None
+    ) -> Ticket:
         turn_type = turn_type or self.default_turn_type
         if turn_type not in ("main", "side"):
             raise ValueError(f"turn type must be 'main' or 'side', not {turn_type!r}")
@@ -140,7 +167,7 @@ class Sessions:
         if turn_type == "main" and session.turns and session.turns[-1].state == "open":
             # The last message of this request is the next state of the previous main turn.
             self._close_turn(session, session.turns[-1], messages[-1])
-        return Ticket(session_id, turn_type, session_done, messages)
+        return Ticket(session_id, turn_type, session_done, messages, tools)
 
     def complete(self, ticket: Ticket, completion: Completion) -> Turn:
         session = self._session(ticket.session_id)
@@ -157,6 +184,7 @@ class Sessions:
             finish_reason=completion.finish_reason,
             weights_version=completion.weights_version,
             session_uid=session.uid if main else "",
+            tools=ticket.tools,
         )
         if main:
             session.turns.append(_MainTurn(turn))
@@ -195,7 +223,7 @@ class Sessions:
         session.closed = True
         if session.turns and session.turns[-1].state == "open":
             last = session.turns[-1]
-            only = len(session.turns) == 1
+            only = len(session.turns) == 1 and self.method != "opd"  # opd: no next state, no hint, nothing to learn
             self._emit(session, last, score=None, mask=1 if only else 0, reward=0.0, votes=[], promoted=False)
         for key in session.prefix_keys:
             self.by_prefix.pop(key, None)
@@ -243,7 +271,11 @@ class Sessions:
     async def _judge_one(self, session: Session, main_turn: _MainTurn) -> None:
         turn, next_state = main_turn.turn, main_turn.next_state
         started = time.monotonic()
-        try:
+        verdict: Verdict | None = None
+        hint: Hint | None = None
+
+        async def score() -> None:
+            nonlocal verdict
             try:
                 verdict = await self.judge(turn.response_text, next_state.content or "", next_state.role)
             except Exception as e:  # a broken judge costs this turn its score, never its sample
@@ -251,22 +283,79 @@ class Sessions:
                 self.counters["judge_failures"] += 1
                 verdict = Verdict(score=0, votes=[Vote(None, f"judge error: {type(e).__name__}: {e}")], mode="error")
             verdict.seconds = verdict.seconds or time.monotonic() - started
+
+        async def find_hint() -> None:
+            nonlocal hint
+            try:
+                hint = await self.distill.hint(turn.response_text, next_state.content or "", next_state.role)
+            except Exception as e:  # a broken hint judge costs this turn its hint, never its sample
+                log.warning("hint judge failed on %s#%d: %s", turn.session_id, turn.index, e)
+                self.counters["hint_failures"] += 1
+                hint = Hint(hint=None, votes=[Vote(None, f"hint judge error: {type(e).__name__}: {e}")], mode="error")
+
+        try:
+            async with anyio.create_task_group() as tg:  # in combine, the two judges vote at once
+                if self.method != "opd":
+                    tg.start_soon(score)
+                if self.method != "rl":
+                    tg.start_soon(find_hint)
             crash_point("judging")
-            self.counters[f"verdict_{verdict.score:+d}" if verdict.score else "verdict_0"] += 1
-            if self.records:
-                self.records.verdict(turn.session_id, turn.index, verdict, next_state.content, next_state.role)
-            if self.events:
-                self.events.publish(VerdictReady(session_id=turn.session_id, index=turn.index, verdict=verdict))
-            if verdict.score != 0:
-                mask, promoted = 1, False
-            else:
-                promoted = session.effective == 0
-                mask = 1 if promoted else 0
-            self._emit(session, main_turn, score=verdict.score, mask=mask, reward=float(verdict.score), votes=verdict.votes, promoted=promoted)
+            if verdict is not None:
+                self.counters[f"verdict_{verdict.score:+d}" if verdict.score else "verdict_0"] += 1
+                if self.records:
+                    self.records.verdict(turn.session_id, turn.index, verdict, next_state.content, next_state.role)
+                if self.events:
+                    self.events.publish(VerdictReady(session_id=turn.session_id, index=turn.index, verdict=verdict))
+            if hint is not None:
+                self.counters["hints_accepted" if hint.hint else "hints_none"] += 1
+                if self.records:
+                    self.records.hint(turn.session_id, turn.index, hint)
+            self._settle(session, main_turn, verdict, hint)
         finally:
             self._in_flight -= 1
 
-    def _emit(self, session: Session, main_turn: _MainTurn, *, score, mask, reward, votes, promoted) -> None:
+    def _settle(self, session: Session, main_turn: _MainTurn, verdict: Verdict | None, hint: Hint | None) -> None:
+        """The sample of a judged turn: its mask, reward and (opd/combine) teacher prompt."""
+        experience = self._experience(session)
+        own = hint.hint if hint else None
+        if own:
+            session.hints.append(own)
+            self._recent_hints.append(own)
+        teacher_ids = None
+        if self.distill and (own or experience):
+            try:
+                teacher_ids = self.distill.teacher_prompt(main_turn.turn, experience + ([own] if own and own not in experience else []))
+            except Exception as e:  # a prompt that cannot be rendered costs the teacher signal only
+                log.warning("teacher prompt failed on %s#%d: %s", main_turn.turn.session_id, main_turn.turn.index, e)
+                self.counters["teacher_prompt_failures"] += 1
+        score = verdict.score if verdict is not None else None
+        if self.method == "opd":
+            mask, promoted = (1 if teacher_ids is not None else 0), False
+        elif score or teacher_ids is not None:
+            mask, promoted = 1, False
+        else:
+            promoted = session.effective == 0
+            mask = 1 if promoted else 0
+        self._emit(
+            session, main_turn, score=score, mask=mask, reward=float(score or 0), votes=verdict.votes if verdict else [],
+            promoted=promoted, hint=hint, experience=experience, teacher_prompt_ids=teacher_ids,
+        )
+
+    def _experience(self, session: Session) -> list[str]:
+        """Earlier accepted hints the teacher sees with this turn (--experience)."""
+        mode = self.distill.experience if self.distill else "off"
+        if mode == "session":
+            hints = session.hints
+        elif mode == "cross-session":
+            hints = list(self._recent_hints)
+        else:
+            return []
+        return list(dict.fromkeys(hints))[-self.distill.experience_max :]  # each once, newest kept
+
+    def _emit(
+        self, session: Session, main_turn: _MainTurn, *, score, mask, reward, votes, promoted, hint: Hint | None = None,
+        experience: list[str] = (), teacher_prompt_ids: list[int] | None = None,
+    ) -> None:
         if main_turn.state == "submitted":  # exactly once, whatever the order of events
             return
         main_turn.state = "submitted"
@@ -287,6 +376,11 @@ class Sessions:
             promoted=promoted,
             next_state=main_turn.next_state.content if main_turn.next_state else None,
             next_state_role=main_turn.next_state.role if main_turn.next_state else None,
+            method=self.method,
+            hint=hint.hint if hint else None,
+            experience=list(experience),
+            hint_votes=hint.votes if hint else [],
+            teacher_prompt_ids=teacher_prompt_ids,
         )
         if mask:
             session.effective += 1

@@ -79,6 +79,7 @@ class Turn(msgspec.Struct, kw_only=True):
     weights_version: int
     created: float = msgspec.field(default_factory=time.time)
     session_uid: str = ""  # tells apart two sessions that reused one id; part of the sample id
+    tools: list[dict] | None = None  # the tools the prompt was rendered with (a teacher prompt re-renders it)
 
 
 class Vote(msgspec.Struct):
@@ -97,9 +98,21 @@ class Verdict(msgspec.Struct):
     seconds: float = 0.0
 
 
+class Hint(msgspec.Struct):
+    """The hint judge's answer on one turn: the accepted hindsight hint (None when no vote gave
+    a usable one) and every vote (score +1: the next state carries a usable hint)."""
+
+    hint: str | None
+    votes: list[Vote]
+    mode: str
+    seconds: float = 0.0
+
+
 class Sample(msgspec.Struct, kw_only=True):
     """A training sample: prompt ids + the exact response ids sampled, one mask and one rollout
-    log-prob per response token, the scalar reward."""
+    log-prob per response token, the scalar reward. With --method opd|combine a sample may also
+    carry a distillation signal: the teacher scores the same response ids under
+    `teacher_prompt_ids` (the prompt with the hint, and any experience, added)."""
 
     sample_id: str
     session_id: str
@@ -116,10 +129,26 @@ class Sample(msgspec.Struct, kw_only=True):
     next_state: str | None = None
     next_state_role: str | None = None
     created: float = msgspec.field(default_factory=time.time)
+    method: str = "rl"  # the --method that built it: rl | opd | combine
+    hint: str | None = None  # the turn's own accepted hint
+    experience: list[str] = []  # earlier hints given to the teacher as context (--experience)
+    hint_votes: list[Vote] = []
+    teacher_prompt_ids: list[int] | None = None  # set when the sample carries a distillation signal
 
     @property
     def effective(self) -> bool:
         return any(self.loss_mask)
+
+    @property
+    def distilled(self) -> bool:
+        """Carries a distillation signal (teacher log-probs under a hinted prompt)."""
+        return self.teacher_prompt_ids is not None
+
+    @property
+    def kind(self) -> str:
+        """rl (a reward only), opd (a teacher signal only), combine (both) or none."""
+        rl = self.method != "opd" and (self.score not in (None, 0) or self.promoted)
+        return {(True, True): "combine", (True, False): "rl", (False, True): "opd"}.get((rl, self.distilled), "none")
 
 
 # Events: a tagged union published in-process and over /v1/ocrl/events.
@@ -159,6 +188,7 @@ class TrainStep(msgspec.Struct, tag="step"):
     step: int
     weights_version: int
     metrics: dict[str, float]
+    teacher_advantages: dict[str, float] = {}  # sample id -> token mean of teacher - old (opd/combine)
     at: float = msgspec.field(default_factory=time.time)
 
 

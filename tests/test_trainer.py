@@ -453,10 +453,11 @@ async def test_a_prefetch_gives_up_when_a_request_arrives(base):
 
     layers = trainer.model.base_model.model.model.layers
     hook = layers[0].register_forward_pre_hook(arrives)
-    assert trainer._prefetch(sample) is None  # abandoned at layer 1
+    assert trainer._prefetch(sample) == (None, None)  # abandoned at layer 1
     hook.remove()
     busy = False
-    assert torch.equal(trainer._prefetch(sample), expected)
+    reference, teacher = trainer._prefetch(sample)
+    assert torch.equal(reference, expected) and teacher is None  # an rl sample has no teacher
     assert (trainer.response_logprobs([sample])[0] - expected).abs().max() == 0  # LoRA B = 0: adapters back on
     assert not trainer.model._adapters_disabled
 

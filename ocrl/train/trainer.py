@@ -59,7 +59,16 @@ import anyio
 import torch
 
 from ocrl.faults import crash_point
-from ocrl.train.loss import entropy_from_logits, grpo_advantages, policy_loss, token_logprobs
+from ocrl.train.loss import (
+    combined_advantages,
+    entropy_from_logits,
+    grpo_advantages,
+    masked_mean_per_sample_then_batch,
+    opd_advantages,
+    policy_loss,
+    token_logprobs,
+    topk_reverse_kl,
+)
 from ocrl.types import Progress, Sample, TrainStep, WeightsSwapped
 
 log = logging.getLogger("ocrl.train")
@@ -84,6 +93,9 @@ class _NoRecords:
     dir = None
 
     def metric(self, row: dict) -> None:
+        pass
+
+    def distill(self, rows: list[dict]) -> None:
         pass
 
     def consumed(self, sample_ids: list[str], step: int | None = None) -> None:
@@ -131,12 +143,22 @@ def _proceed() -> None:
     pass
 
 
+@dataclass
+class _Teacher:
+    """The teacher (the reference with hints in its prompt) on one sample's response tokens."""
+
+    logprobs: torch.Tensor  # (R,) log pi_teacher(a_t | s + hint)
+    top_ids: torch.Tensor | None = None  # (R, K) with --distill-topk K
+    top_logprobs: torch.Tensor | None = None  # (R, K)
+
+
 @dataclass(eq=False)
 class _Pending:
-    """A sample waiting for its batch, with its reference log-probs once prefetched."""
+    """A sample waiting for its batch, with its reference (and teacher) log-probs once prefetched."""
 
     sample: Sample
     reference: torch.Tensor | None = None  # (R,)
+    teacher: _Teacher | None = None
 
 
 def sample_problem(sample: Sample) -> str | None:
@@ -154,6 +176,11 @@ def sample_problem(sample: Sample) -> str | None:
 def split_prompt(sample: Sample) -> tuple[list[int], list[int]]:
     cut = len(sample.tokens) - sample.response_length
     return list(sample.tokens[:cut]), list(sample.tokens[cut:])
+
+
+def teacher_view(sample: Sample) -> Sample:
+    """The sample as the teacher reads it: the same response ids after the hinted prompt."""
+    return _probe_sample(sample.teacher_prompt_ids, split_prompt(sample)[1])
 
 
 def _probe_sample(prompt_ids: list[int], response_ids: list[int]) -> Sample:
@@ -270,6 +297,7 @@ class Trainer:
         self.consumed_samples = 0
         self.last_metrics: dict[str, float] = {}
         self.probe: Sample | None = None  # the last step's first sample: proves each swap landed
+        self.distilled_rows: list[dict] = []  # the last step's distilled samples and their teacher advantages
         if config.save_dir:
             self.save_dir: Path | None = Path(config.save_dir)
         elif getattr(self.records, "dir", None) is not None:
@@ -330,7 +358,10 @@ class Trainer:
             return self.model, self.model.disable_adapter()
         return self.reference, contextlib.nullcontext()
 
-    def _forward(self, model, batch: _MicroBatch, entropy: bool = False):
+    def _forward(self, model, batch: _MicroBatch, entropy: bool = False, full: bool = False):
+        """Log-probs of the response tokens (B, R) and, with `entropy`, their entropy (B, R), else
+        None; with `full`, a third item: the whole log-softmax (B, R, V), which top-K
+        distillation reads."""
         span = batch.targets.shape[1]
         out = model(
             input_ids=batch.input_ids,
@@ -340,13 +371,18 @@ class Trainer:
             logits_to_keep=span + 1,
         )
         logits = out.logits[:, :-1]  # (B, R, V): position t predicts response token t
-        logprobs = token_logprobs(logits, batch.targets)  # (B, R)
-        if not entropy:
-            return logprobs, None
-        if self.config.entropy_coef:
-            return logprobs, entropy_from_logits(logits)  # (B, R)
-        with torch.no_grad():  # reported only: no graph for it
-            return logprobs, entropy_from_logits(logits.detach())
+        if full:
+            every = torch.log_softmax(logits.float(), dim=-1)  # (B, R, V)
+            logprobs = every.gather(-1, batch.targets.long().unsqueeze(-1)).squeeze(-1)  # (B, R)
+        else:
+            every, logprobs = None, token_logprobs(logits, batch.targets)  # (B, R)
+        ent = None
+        if entropy and self.config.entropy_coef:
+            ent = entropy_from_logits(logits)  # (B, R)
+        elif entropy:
+            with torch.no_grad():  # reported only: no graph for it
+                ent = entropy_from_logits(logits.detach())
+        return (logprobs, ent, every) if full else (logprobs, ent)
 
     @torch.no_grad()
     def response_logprobs(self, samples: list[Sample], *, reference: bool = False) -> list[torch.Tensor]:
@@ -363,6 +399,26 @@ class Trainer:
             else:
                 logprobs, _ = self._forward(self.model, batch)
             out.append(logprobs[0].cpu())
+        return out
+
+    @torch.no_grad()
+    def teacher_logprobs(self, samples: list[Sample]) -> list[_Teacher]:
+        """The teacher on each distilled sample: the reference (adapters off, or the frozen copy)
+        scoring the sample's response ids after its hinted prompt, one sample at a time; with
+        --distill-topk K also its K most likely tokens at every response position."""
+        k = self.config.distill_topk
+        model, mode = self._reference_mode()
+        out = []
+        with mode:
+            for sample in samples:
+                batch = _MicroBatch.of([teacher_view(sample)], self.device)
+                if k > 0:
+                    logprobs, _, every = self._forward(model, batch, full=True)
+                    top = every[0].topk(k, dim=-1)
+                    out.append(_Teacher(logprobs[0].cpu(), top.indices.cpu(), top.values.cpu()))
+                else:
+                    logprobs, _ = self._forward(model, batch)
+                    out.append(_Teacher(logprobs[0].cpu()))
         return out
 
     @torch.no_grad()
@@ -408,36 +464,85 @@ class Trainer:
             rows[row, span - sample.response_length :] = prefetched[id(sample)].to(self.device)
         return rows
 
+    def _teacher_rows(self, group: list[Sample], micro: _MicroBatch, prefetched: dict[int, _Teacher]):
+        """The teacher laid out like `micro`: log-probs (B, R), which rows are distilled (B,), and
+        with --distill-topk K the top-K ids and log-probs (B, R, K); computed where not prefetched."""
+        span, k = micro.targets.shape[1], self.config.distill_topk
+        missing = [s for s in group if s.distilled and id(s) not in prefetched]
+        if missing:
+            prefetched = prefetched | dict(zip(map(id, missing), self.teacher_logprobs(missing)))
+        logprobs = torch.zeros((len(group), span), dtype=torch.float32)  # (B, R)
+        distilled = torch.zeros(len(group), dtype=torch.bool)  # (B,)
+        top_ids = torch.zeros((len(group), span, max(k, 1)), dtype=torch.long)  # (B, R, K)
+        top_logprobs = torch.zeros((len(group), span, max(k, 1)), dtype=torch.float32)  # (B, R, K)
+        for row, sample in enumerate(group):
+            if not sample.distilled:
+                continue
+            teacher, r = prefetched[id(sample)], sample.response_length
+            distilled[row] = True
+            logprobs[row, span - r :] = teacher.logprobs
+            if k > 0:
+                top_ids[row, span - r :] = teacher.top_ids
+                top_logprobs[row, span - r :] = teacher.top_logprobs
+        device = self.device
+        return logprobs.to(device), distilled.to(device), top_ids.to(device), top_logprobs.to(device)
+
+    def _advantages(self, micro: _MicroBatch, old: torch.Tensor, teacher: torch.Tensor, distilled: torch.Tensor) -> torch.Tensor:
+        """A_t by method: rl r; opd teacher - old; combine w_rl r + w_opd (teacher - old). With
+        --distill-topk the teacher term leaves the advantage for the top-K loss."""
+        config = self.config
+        rl = grpo_advantages(micro.rewards, micro.loss_mask)  # (B, R)
+        if config.method == "rl":
+            return rl
+        w_rl = config.w_rl if config.method == "combine" else 0.0
+        if config.distill_topk > 0:
+            return w_rl * rl
+        if config.method == "opd":
+            return opd_advantages(teacher, old, micro.loss_mask) * distilled.float().unsqueeze(-1)
+        return combined_advantages(micro.rewards, teacher, old, micro.loss_mask, distilled, w_rl=config.w_rl, w_opd=config.w_opd)
+
     def accumulate_gradients(
-        self, batch: list[Sample], references: list[torch.Tensor | None] | None = None
+        self, batch: list[Sample], references: list[torch.Tensor | None] | None = None, teachers: list[_Teacher | None] | None = None
     ) -> dict[str, float]:
         """Backward the full-batch policy loss over micro-batches; returns its diagnostics.
 
         `references` holds each sample's prefetched (R,) reference log-probs, or None where the
-        step must compute them. policy_loss takes a token mean per sample, then a mean over
-        samples; weighting each micro-batch's loss by its share of the batch's samples makes the
-        accumulated gradient equal to the one-big-batch gradient.
+        step must compute them; `teachers` the same for distilled samples (--method opd|combine).
+        policy_loss takes a token mean per sample, then a mean over samples; weighting each
+        micro-batch's loss by its share of the batch's samples makes the accumulated gradient
+        equal to the one-big-batch gradient. The top-K distillation term is a mean over the
+        distilled samples of a micro-batch, weighted by their share of the batch.
         """
         config = self.config
+        distill = config.method != "rl"
+        topk = distill and config.distill_topk > 0
+        w_distill = config.w_opd if config.method == "combine" else 1.0
         self.optimizer.zero_grad(set_to_none=True)
         total = len(batch)
         prefetched = {id(s): r for s, r in zip(batch, references or []) if r is not None}
+        taught = {id(s): t for s, t in zip(batch, teachers or []) if t is not None}
         by_sample: dict[str, float] = defaultdict(float)  # sample-mean metrics, weighted sums
         by_token: dict[str, float] = defaultdict(float)  # token-mean metrics, weighted sums
         tokens = 0
         ratio_max = 0.0
+        self.distilled_rows = []
         for group in pack(batch, config.micro_batch_tokens):
             self._give_way()
             micro = _MicroBatch.of(group, self.device)
             mask = micro.loss_mask.bool()  # (B, R)
             ref_logprobs = self._reference_rows(group, micro, prefetched)  # (B, R)
+            if distill:
+                teacher, distilled, top_ids, top_logprobs = self._teacher_rows(group, micro, taught)
             self._give_way()
-            logprobs, entropy = self._forward(self.model, micro, entropy=True)  # (B, R)
+            if topk:
+                logprobs, entropy, every = self._forward(self.model, micro, entropy=True, full=True)  # (B, R), (B, R, V)
+            else:
+                logprobs, entropy = self._forward(self.model, micro, entropy=True)  # (B, R)
             old = logprobs.detach() if config.old_logprobs == "recompute" else micro.rollout_logprobs
             loss, metrics = policy_loss(
                 logprobs,
                 old,
-                grpo_advantages(micro.rewards, micro.loss_mask),
+                self._advantages(micro, old, teacher, distilled) if distill else grpo_advantages(micro.rewards, micro.loss_mask),
                 micro.loss_mask,
                 ref_logprobs,
                 eps_clip=config.eps_clip,
@@ -446,6 +551,25 @@ class Trainer:
                 entropy=entropy,
                 entropy_coef=config.entropy_coef,
             )
+            if distill:
+                taught_mask = mask & distilled.unsqueeze(-1)  # (B, R)
+                n_taught = int(distilled.sum())
+                gap = torch.where(taught_mask, teacher - old, 0.0)  # (B, R) the teacher advantage
+                by_token["teacher_advantage"] += gap.sum().item()
+                by_token["_taught_tokens"] += int(taught_mask.sum())
+                by_sample["distilled"] += n_taught
+                for row, sample in enumerate(group):
+                    if distilled[row]:
+                        n = int(taught_mask[row].sum())
+                        self.distilled_rows.append({
+                            "sample_id": sample.sample_id, "hint": sample.hint, "experience": len(sample.experience),
+                            "teacher_advantage": gap[row].sum().item() / max(n, 1), "tokens": n,
+                        })
+                if topk and n_taught:
+                    kl = topk_reverse_kl(every, top_ids, top_logprobs, taught_mask)  # (B, R)
+                    distill_kl = masked_mean_per_sample_then_batch(kl, taught_mask)  # mean over distilled samples
+                    loss = loss + w_distill * distill_kl * (n_taught / len(group))
+                    by_sample["distill_kl"] += distill_kl.item() * n_taught
             (loss * (len(group) / total)).backward()
 
             n = int(mask.sum())
@@ -457,20 +581,29 @@ class Trainer:
             by_token["mismatch"] += gap
             tokens += n
             ratio_max = max(ratio_max, metrics["ratio_max"])
+        taught_tokens = by_token.pop("_taught_tokens", 0)
+        teacher_total = by_token.pop("teacher_advantage", None)
+        n_distilled = by_sample.pop("distilled", None)
+        kl_total = by_sample.pop("distill_kl", None)
         out = {key: value / total for key, value in by_sample.items()}
         out |= {key: value / max(tokens, 1) for key, value in by_token.items()}
         out["ratio_max"] = ratio_max
+        if distill:
+            out["distilled"] = (n_distilled or 0) / total  # share of the batch with a teacher signal
+            out["teacher_advantage"] = (teacher_total or 0.0) / max(taught_tokens, 1)  # token mean of teacher - old
+            if topk:
+                out["distill_kl"] = (kl_total or 0.0) / max(n_distilled or 0, 1)
         return out
 
     def _train(
-        self, batch: list[Sample], references: list[torch.Tensor | None] | None = None
+        self, batch: list[Sample], references: list[torch.Tensor | None] | None = None, teachers: list[_Teacher | None] | None = None
     ) -> tuple[dict[str, float], dict[str, torch.Tensor], torch.Tensor]:
         """The torch part of a step (a worker thread): gradients, clip, AdamW, merge, probe.
         Gives way to serving at its yield points; step_seconds excludes that wait."""
         started = time.perf_counter()
         self._give_way = give_way = _GiveWay(self.yield_to, self.config.train_yield_max)
         try:
-            metrics = self.accumulate_gradients(batch, references)
+            metrics = self.accumulate_gradients(batch, references, teachers)
             max_norm = self.config.grad_clip if self.config.grad_clip > 0 else math.inf
             metrics["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
             if math.isfinite(metrics["grad_norm"]):
@@ -487,14 +620,16 @@ class Trainer:
         metrics["step_seconds"] = time.perf_counter() - started - give_way.spent
         return metrics, tensors, probe_logprobs
 
-    def _prefetch(self, sample: Sample) -> torch.Tensor | None:
-        """A pending sample's reference log-probs (a worker thread); None when a request
-        arrived meanwhile and the work was abandoned."""
+    def _prefetch(self, sample: Sample) -> tuple[torch.Tensor | None, _Teacher | None]:
+        """A pending sample's reference log-probs and, when it is distilled, its teacher's (a
+        worker thread); (None, None) when a request arrived meanwhile and the work was abandoned."""
         self._give_way = self._preempt
         try:
-            return self.response_logprobs([sample], reference=True)[0]
+            reference = self.response_logprobs([sample], reference=True)[0]
+            teacher = self.teacher_logprobs([sample])[0] if sample.distilled and self.config.method != "rl" else None
+            return reference, teacher
         except _Preempted:
-            return None
+            return None, None
         finally:
             self._give_way = _proceed
 
@@ -516,12 +651,13 @@ class Trainer:
         async with self._lock:
             # read under the lock: a prefetch in flight when the batch was taken has landed
             references = [entry.reference for entry in entries]
+            teachers = [entry.teacher for entry in entries]
             for sample, reference in zip(batch, references):
                 if reference is not None and reference.shape != (sample.response_length,):
                     raise ValueError(f"sample {sample.sample_id}: reference shape {tuple(reference.shape)}")
             # 1-3. micro-batched gradients, clip, AdamW; merged weights and our probe log-probs
             self.probe = _probe_sample(*split_prompt(batch[0]))
-            metrics, tensors, probe_logprobs = await anyio.to_thread.run_sync(self._train, batch, references)
+            metrics, tensors, probe_logprobs = await anyio.to_thread.run_sync(self._train, batch, references, teachers)
             crash_point("train_step")
             self.steps += 1
             self.consumed_samples += len(batch)
@@ -545,7 +681,12 @@ class Trainer:
             # consumed first: a reader that sees the metrics row sees the whole batch marked used
             self.records.consumed([s.sample_id for s in batch], step=self.steps)
             self.records.metric(row)
-            self.events.publish(TrainStep(step=self.steps, weights_version=self.version, metrics=metrics))
+            if self.distilled_rows:
+                self.records.distill([{"step": self.steps, **r} for r in self.distilled_rows])
+            self.events.publish(TrainStep(
+                step=self.steps, weights_version=self.version, metrics=metrics,
+                teacher_advantages={r["sample_id"]: r["teacher_advantage"] for r in self.distilled_rows},
+            ))
             return row
 
     async def _publish(
@@ -641,7 +782,7 @@ class Trainer:
                     continue
                 async with self._lock:  # never alongside a step's torch work
                     if entry in self._pending and entry.reference is None:  # not taken by a step meanwhile
-                        entry.reference = await anyio.to_thread.run_sync(self._prefetch, entry.sample)
+                        entry.reference, entry.teacher = await anyio.to_thread.run_sync(self._prefetch, entry.sample)
 
         size = max(1, self.config.rollout_batch_size)
         try:
