@@ -24,8 +24,14 @@ log = logging.getLogger("ocrl.learn")
 
 def judge_agreement(feedback: list[simulate.Judged], verdicts_path: Path) -> dict:
     """How often the PRM's verdict on a turn matched the hidden rule (+1 when it held, -1 when
-    not). A 0 verdict is an abstention: counted in coverage, not as agreement."""
+    not). A 0 verdict is an abstention: counted in coverage, not as agreement. Without verdicts
+    (--method opd), the hint judge is scored instead: a hint counts as -1, none as +1."""
     scores = {}
+    hints_path = verdicts_path.with_name("hints.jsonl")
+    if not verdicts_path.exists() and hints_path.exists():
+        for line in hints_path.read_bytes().splitlines():
+            row = msgspec.json.decode(line)
+            scores[(row["session_id"], row["turn_index"])] = -1 if row["hint"] is not None else 1
     for line in verdicts_path.read_bytes().splitlines() if verdicts_path.exists() else []:
         row = msgspec.json.decode(line)
         scores[(row["session_id"], row["turn_index"])] = row["score"]
@@ -38,6 +44,13 @@ def judge_agreement(feedback: list[simulate.Judged], verdicts_path: Path) -> dic
         "agreement": agree / len(decided) if decided else float("nan"),
         "coverage": len(decided) / len(judged) if judged else float("nan"),
     }
+
+
+def distilled_share(run_dir: Path) -> float:
+    """The share of the run's samples that carried a teacher signal."""
+    path = run_dir / "samples.jsonl"
+    rows = [msgspec.json.decode(line) for line in path.read_bytes().splitlines() if line.strip()] if path.exists() else []
+    return sum(r.get("teacher_prompt_ids") is not None for r in rows) / max(1, len(rows))
 
 
 def plot(rows: list[dict], path: Path, title: str) -> None:
@@ -65,7 +78,100 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     plt.close(fig)
 
 
-async def bench_learn(config, *, persona_name: str, turns: int, concurrency: int, probe_every: int, tasks: int, max_tokens: int, probe_samples: int) -> dict:
+async def bench_learn(
+    config, *, persona_name: str, turns: int, concurrency: int, probe_every: int, tasks: int, max_tokens: int, probe_samples: int,
+    methods: list[str] | None = None,
+) -> dict:
+    """One learning curve per method, one after the other, each on a fresh daemon with the same
+    persona, seed and turn budget; then the curves side by side (a table and one plot)."""
+    methods = methods or [config.method]
+    unknown = [m for m in methods if m not in ("rl", "opd", "combine")]
+    if unknown:
+        raise SystemExit(f"ocrl: unknown method(s) {', '.join(unknown)}; choose from rl, opd, combine")
+    if len(methods) == 1:
+        return await learn_once(
+            msgspec.structs.replace(config, method=methods[0]), persona_name=persona_name, turns=turns, concurrency=concurrency,
+            probe_every=probe_every, tasks=tasks, max_tokens=max_tokens, probe_samples=probe_samples,
+        )
+    root = Path(config.record_dir) if config.record_dir else Path("runs") / time.strftime("learn-%Y%m%d-%H%M%S")
+    results: dict[str, dict] = {}
+    for method in methods:
+        log.info("bench learn: method %s (%d of %d)", method, len(results) + 1, len(methods))
+        results[method] = await learn_once(
+            msgspec.structs.replace(config, method=method, record_dir=str(root / method)), persona_name=persona_name, turns=turns,
+            concurrency=concurrency, probe_every=probe_every, tasks=tasks, max_tokens=max_tokens, probe_samples=probe_samples,
+            check_placement=not results and any(m != "rl" for m in methods),
+        )
+    persona = simulate.PERSONAS[persona_name]
+    plot_methods({m: r["rows"] for m, r in results.items()}, root / "learning-methods.png", f"{persona.name}: {persona.description}")
+    print(f"bench learn: {len(methods)} methods side by side, persona {persona.name}, {turns} main turns each, seed {config.seed}; {root}")
+    print(f"  {'method':<8} {'baseline':>8} {'final':>6} {'best':>6} {'steps':>5} {'turns':>5} {'distilled':>9} {'seconds':>7}")
+    for method, r in results.items():
+        print(f"  {method:<8} {r['baseline']:>8.2f} {r['final']:>6.2f} {r['best']:>6.2f} {r['steps']:>5} {r['main_turns']:>5} "
+              f"{r['distilled_share']:>9.2f} {r['seconds']:>7}")
+    placement = next((r["placement"] for r in results.values() if r.get("placement")), None)
+    if placement:
+        print(f"  hint placement (base policy, probe pass rate with a complaint as hint): none {placement['none']:.2f}, "
+              f"user message {placement['user']:.2f}, system note {placement['system']:.2f}")
+    print("  pass rate by training step (probe rows):")
+    for method, r in results.items():
+        print(f"  {method:<8} " + " ".join(f"s{row['step']}:{row['pass_rate']:.2f}" for row in r["rows"]))
+    return results
+
+
+def plot_methods(curves: dict[str, list[dict]], path: Path, title: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log.warning("matplotlib is not installed: no %s", path.name)
+        return
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
+    for method, rows in curves.items():
+        ax.plot([r["main_turns"] for r in rows], [r["pass_rate"] for r in rows], "o-", label=method)
+    ax.set_xlabel("main turns")
+    ax.set_ylabel("probe pass rate (hidden rule)")
+    ax.set_ylim(0, 1)
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+async def placement_check(client, persona: simulate.Persona, *, max_tokens: int, samples: int) -> dict[str, float]:
+    """Where should the teacher see the hint? The base policy's probe pass rate with one of the
+    persona's complaints as the hint, appended to the user message vs as a system note after
+    it, beside no hint: the teacher whose own samples follow the rule more teaches it better."""
+    from ocrl import chat
+    from ocrl.types import Message
+
+    def builder(placement: str | None):
+        def messages_for(prompt: str, i: int) -> list[dict]:
+            plain = [Message(role="user", content=prompt)]
+            if placement is None:
+                return [msgspec.to_builtins(m) for m in plain]
+            hint = persona.complaints[i % len(persona.complaints)]
+            return [msgspec.to_builtins(m) for m in chat.with_hints(plain, [hint], placement)]
+
+        return messages_for
+
+    rates = {}
+    for placement in (None, "user", "system"):
+        result = await simulate.probe(client, persona, max_tokens=max_tokens, samples=samples, messages_for=builder(placement))
+        rates[placement or "none"] = result["pass_rate"]
+    log.info("hint placement: probe pass rate without a hint %.2f, in the user message %.2f, as a system note %.2f",
+             rates["none"], rates["user"], rates["system"])
+    return rates
+
+
+async def learn_once(
+    config, *, persona_name: str, turns: int, concurrency: int, probe_every: int, tasks: int, max_tokens: int, probe_samples: int,
+    check_placement: bool = False,
+) -> dict:
     from openai import AsyncOpenAI
 
     from ocrl.daemon import Daemon
@@ -84,7 +190,7 @@ async def bench_learn(config, *, persona_name: str, turns: int, concurrency: int
         while daemon.server is None or not daemon.server.started:
             await anyio.sleep(0.05)
         async with AsyncOpenAI(base_url=base_url, api_key=config.api_key or "none", timeout=900, max_retries=0) as client:
-            sim = simulate.Simulator(client, persona, max_tokens=max_tokens, seed=config.seed)
+            sim = simulate.Simulator(client, persona, max_tokens=max_tokens, seed=config.seed, max_turns=turns)
 
             async def measure(tag: str) -> None:
                 result = await simulate.probe(client, persona, max_tokens=max_tokens, samples=probe_samples)
@@ -93,6 +199,8 @@ async def bench_learn(config, *, persona_name: str, turns: int, concurrency: int
                     "tag": tag, "main_turns": sim.stats.main_turns, "step": trainer.steps, "weights_version": daemon.engine.weights_version,
                     "pass_rate": result["pass_rate"], "probes": result["n"], "probe_versions": result["weights_versions"],
                     "reward_mean": trainer.last_metrics.get("reward_mean"), "seconds": round(time.monotonic() - started, 1),
+                    "method": config.method, "distilled": trainer.last_metrics.get("distilled"),
+                    "teacher_advantage": trainer.last_metrics.get("teacher_advantage"),
                     **judge_agreement(sim.stats.feedback, run_dir / "verdicts.jsonl"),
                 }
                 rows.append(row)
@@ -102,6 +210,8 @@ async def bench_learn(config, *, persona_name: str, turns: int, concurrency: int
 
             # 1. baseline, 2. simulated traffic with probes every `probe_every` steps, 3. final
             await measure("baseline")
+            if check_placement:
+                summary_placement = await placement_check(client, persona, max_tokens=max_tokens, samples=probe_samples)
             limiter = anyio.Semaphore(concurrency)
 
             async def one(i: int) -> None:
@@ -141,6 +251,8 @@ async def bench_learn(config, *, persona_name: str, turns: int, concurrency: int
                 "steps": daemon.trainer.steps, "seconds": round(time.monotonic() - started), "best": max(r["pass_rate"] for r in rows[1:]),
                 **judge_agreement(sim.stats.feedback, run_dir / "verdicts.jsonl"),
                 "rule_held_in_training": sum(f.passed for f in sim.stats.feedback) / max(1, len(sim.stats.feedback)),
+                "method": config.method, "rows": rows, "distilled_share": distilled_share(run_dir),
+                "placement": summary_placement if check_placement else None,
             }
         daemon.server.should_exit = True
     title = (
@@ -148,7 +260,7 @@ async def bench_learn(config, *, persona_name: str, turns: int, concurrency: int
         f"batch {config.rollout_batch_size}"
     )
     plot(rows, run_dir / "learning.png", title)
-    print(f"bench learn: persona {persona.name} ({persona.description}), run dir {run_dir}")
+    print(f"bench learn: method {config.method}, persona {persona.name} ({persona.description}), run dir {run_dir}")
     print(f"  probe pass rate  baseline {summary['baseline']:.2f} -> final {summary['final']:.2f} (best {summary['best']:.2f}), "
           f"{summary['final'] - summary['baseline']:+.2f}")
     print(f"  {summary['main_turns']} main turns in {summary['sessions']} sessions, {summary['steps']} training steps, "

@@ -121,8 +121,11 @@ class SimStats:
 
 
 class Simulator:
-    def __init__(self, client, persona: Persona, *, max_tokens: int = 64, temperature: float = 1.0, seed: int = 0):
+    def __init__(
+        self, client, persona: Persona, *, max_tokens: int = 64, temperature: float = 1.0, seed: int = 0, max_turns: int | None = None
+    ):
         self.client = client
+        self.max_turns = max_turns  # sessions wind down (closing feedback, then done) once this many main turns were asked
         self.persona = persona
         self.max_tokens = max_tokens
         self.temperature = temperature
@@ -146,8 +149,9 @@ class Simulator:
             index = reply.model_extra["ocrl"]["turn_index"]
             passed = self.persona.rule(text)
             messages.append({"role": "assistant", "content": text})
-            if passed or redos >= redo_limit:
-                if not queue:
+            out_of_turns = self.max_turns is not None and self.stats.main_turns >= self.max_turns
+            if passed or redos >= redo_limit or out_of_turns:
+                if not queue or out_of_turns:
                     done = True
                     feedback = self.rng.choice(self.persona.praise) if passed else self.rng.choice(self.persona.complaints)
                 else:
@@ -182,15 +186,20 @@ class Simulator:
         return reply
 
 
-async def probe(client, persona: Persona, prompts=PROBES, *, max_tokens: int = 64, samples: int = 2, concurrency: int = 8) -> dict:
-    """The rule's pass rate on held-out prompts, sent as side turns (never trained on)."""
+async def probe(
+    client, persona: Persona, prompts=PROBES, *, max_tokens: int = 64, samples: int = 2, concurrency: int = 8,
+    messages_for: Callable[[str, int], list[dict]] | None = None,
+) -> dict:
+    """The rule's pass rate on held-out prompts, sent as side turns (never trained on).
+    `messages_for(prompt, i)` builds the chat for prompt i (default: the prompt alone)."""
     results: list[tuple[bool, int]] = []
     limiter = anyio.Semaphore(concurrency)
 
     async def one(prompt: str, seed: int) -> None:
+        messages = messages_for(prompt, seed) if messages_for else [{"role": "user", "content": prompt}]
         async with limiter:
             reply = await client.chat.completions.create(
-                model="ocrl", messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens, temperature=1.0,
+                model="ocrl", messages=messages, max_tokens=max_tokens, temperature=1.0,
                 seed=seed, extra_headers={"X-Turn-Type": "side", "X-Session-Id": f"probe-{seed}-{hash(prompt) & 0xffff}", "X-Session-Done": "1"},
             )
             text = reply.choices[0].message.content or ""
