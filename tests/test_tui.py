@@ -148,10 +148,10 @@ async def test_widgets_show_the_scripted_events():
 
         # newest first; every column as shown
         assert [plain(table.get_row_at(i))[0:3] for i in range(4)] == [["4", "b", "1"], ["3", "b", "0"], ["2", "a", "1"], ["1", "a", "0"]]
-        assert plain(table.get_row("a:1:0")) == ["1", "a", "0", "+1 +1 -1", "+1", "1", "+1.00", "7+3", "v0"]
-        assert plain(table.get_row("a:1:1")) == ["2", "a", "1", "0 ? 0", "0", "0", "+0.00", "7+3", "v0"]
-        assert plain(table.get_row("b:2:0")) == ["3", "b", "0", "0 0 +1", "0", "1 promoted", "+0.00", "7+3", "v1"]
-        assert plain(table.get_row("b:2:1")) == ["4", "b", "1", "—", "none", "0", "+0.00", "7+3", "v1"]
+        assert plain(table.get_row("a:1:0")) == ["1", "a", "0", "+1 +1 -1", "+1", "1", "+1.00", "rl", "—", "7+3", "v0"]
+        assert plain(table.get_row("a:1:1")) == ["2", "a", "1", "0 ? 0", "0", "0", "+0.00", "none", "—", "7+3", "v0"]
+        assert plain(table.get_row("b:2:0")) == ["3", "b", "0", "0 0 +1", "0", "1 promoted", "+0.00", "rl", "—", "7+3", "v1"]
+        assert plain(table.get_row("b:2:1")) == ["4", "b", "1", "—", "none", "0", "+0.00", "none", "—", "7+3", "v1"]
         # promoted and masked rows stand out; a plain trained row does not
         assert {str(cell.style) for cell in table.get_row("b:2:0")} == {PROMOTED_STYLE}
         assert {str(cell.style) for cell in table.get_row("a:1:1")} == {MASKED_STYLE}
@@ -613,3 +613,30 @@ async def test_dashboard_attached_to_the_daemon_api():
             await until(pilot, lambda: daemon.trainer.calls == ["pause", "save"])
             await until(pilot, lambda: any("/runs/y/checkpoints/step-1" in n.message for n in app._notifications))
         server.should_exit = True
+
+
+async def test_a_distilled_sample_shows_its_signal_hint_and_teacher_advantage():
+    source = FakeSource()
+    app = Dashboard(source, poll_interval=60)
+    distilled = msgspec.structs.replace(
+        make_sample("d:4:0", "d", 0, score=-1, mask=1, votes=[(-1, "redo")], next_state="Too long. Answer in one sentence."),
+        method="combine", hint="Too long. Answer in one sentence.", experience=["End with a question [bold]."],
+        hint_votes=[Vote(1, "[HINT]Too long. Answer in one sentence.[/HINT]")], teacher_prompt_ids=[1, 2, 3, 4, 5, 6, 7, 11, 12],
+    )
+    async with app.run_test(size=SIZE) as pilot:
+        table = app.query_one(SamplesTable)
+        await until(pilot, lambda: table.row_count == 4)
+        app.main.post_message(EventArrived(SampleReady(sample=distilled)))
+        await until(pilot, lambda: table.row_count == 5)
+        assert plain(table.get_row("d:4:0"))[7:9] == ["combine", "…"]  # waiting for its step
+        app.main.post_message(EventArrived(TrainStep(step=3, weights_version=3, metrics={"pg_loss": 0.1}, teacher_advantages={"d:4:0": -0.25, "gone": 1.0})))
+        await until(pilot, lambda: plain(table.get_row("d:4:0"))[8] == "-0.25")
+        table.move_cursor(row=table.get_row_index("d:4:0"))
+        await pilot.press("enter")
+        await until(pilot, lambda: isinstance(app.screen, SampleScreen))
+        screen = app.screen
+        summary_text = str(screen.query_one("#summary").render())
+        assert "method combine · signal combine" in summary_text and "teacher prompt 9 tokens" in summary_text and "-0.250" in summary_text
+        assert str(screen.query_one("#hint").render()) == "Too long. Answer in one sentence."
+        assert str(screen.query_one("#experience").render()) == "- End with a question [bold]."  # never markup
+        assert str(screen.query_one("#hint-vote-0").render()) == "1. +1: [HINT]Too long. Answer in one sentence.[/HINT]"

@@ -66,6 +66,8 @@ class DashboardScreen(Screen):
                 self.query_one(RewardPlot).add_sample(sample)
                 self.query_one(SessionsPanel).observe(event)
             case TrainStep():
+                if event.teacher_advantages:
+                    self.query_one(SamplesTable).set_teacher_advantages(event.teacher_advantages)
                 self.query_one(LossPlot).add_step(event)
                 self.query_one(RewardPlot).add_step(event)
             case TurnServed():
@@ -97,6 +99,7 @@ class DashboardScreen(Screen):
         self.query_one(LogPanel).add(message.level, message.message)
 
     def on_data_table_row_selected(self, message: DataTable.RowSelected) -> None:
-        sample = self.query_one(SamplesTable).samples.get(message.row_key.value)
+        table = self.query_one(SamplesTable)
+        sample = table.samples.get(message.row_key.value)
         if sample is not None:
-            self.app.push_screen(SampleScreen(sample, self.source))
+            self.app.push_screen(SampleScreen(sample, self.source, teacher_advantage=table.teacher_advantages.get(sample.sample_id)))

@@ -1,5 +1,7 @@
 """One sample in full: its numbers, the decoded prompt tail and response (when the source can
-decode tokens), the next state that was judged, and the text of each judge vote."""
+decode tokens), the next state that was judged, the text of each judge vote and, with
+--method opd|combine, the hint, the experience the teacher saw, the hint votes and the
+teacher advantage."""
 
 from __future__ import annotations
 
@@ -13,14 +15,19 @@ from tui.samples_table import score_text
 from tui.sources import Source
 
 
-def summary(sample: Sample) -> str:
+def summary(sample: Sample, teacher_advantage: float | None = None) -> str:
     prompt = len(sample.tokens) - sample.response_length
     mask = ("1 (promoted by the at-least-one rule)" if sample.promoted else "1") if sample.effective else "0 (not trained on)"
     verdict = "none (no next state)" if sample.score is None else score_text(sample.score)
     return (
         f"session {sample.session_id} · turn {sample.turn_index} · weights v{sample.weights_version}\n"
         f"verdict {verdict} · reward {sample.reward:+.2f} · mask {mask}\n"
-        f"tokens: {prompt} prompt + {sample.response_length} response · id {sample.sample_id}"
+        f"tokens: {prompt} prompt + {sample.response_length} response · id {sample.sample_id}\n"
+        f"method {sample.method} · signal {sample.kind}" + (
+            "" if not sample.distilled else
+            f" · teacher prompt {len(sample.teacher_prompt_ids)} tokens · teacher advantage "
+            + ("not trained yet" if teacher_advantage is None else f"{teacher_advantage:+.3f} (token mean of teacher - old)")
+        )
     )
 
 
@@ -34,15 +41,16 @@ class SampleScreen(ModalScreen[None]):
     """
     BINDINGS = [("escape", "dismiss", "Close"), ("q", "dismiss", "Close")]
 
-    def __init__(self, sample: Sample, source: Source) -> None:
+    def __init__(self, sample: Sample, source: Source, *, teacher_advantage: float | None = None) -> None:
         super().__init__()
         self.sample = sample
         self.source = source
+        self.teacher_advantage = teacher_advantage
 
     def compose(self) -> ComposeResult:
         sample = self.sample
         with VerticalScroll():
-            yield Static(summary(sample), markup=False, id="summary")
+            yield Static(summary(sample, self.teacher_advantage), markup=False, id="summary")
             # Texts come from users and models: never parse them as markup.
             yield Static("prompt tail", classes="heading")
             yield Static("decoding…", markup=False, classes="missing", id="prompt-tail")
@@ -58,6 +66,15 @@ class SampleScreen(ModalScreen[None]):
             for i, vote in enumerate(sample.votes):
                 yield Static(f"{i + 1}. {score_text(vote.score)}", classes="heading")
                 yield Static(vote.text or "(empty)", markup=False, classes="body", id=f"vote-{i}")
+            if sample.method != "rl":
+                yield Static("hint", classes="heading")
+                yield Static(sample.hint or "none accepted", markup=False, classes="body" if sample.hint else "missing", id="hint")
+                if sample.experience:
+                    yield Static(f"experience the teacher also saw ({len(sample.experience)})", classes="heading")
+                    yield Static("\n".join(f"- {h}" for h in sample.experience), markup=False, classes="body", id="experience")
+                yield Static(f"hint votes ({len(sample.hint_votes)})", classes="heading")
+                for i, vote in enumerate(sample.hint_votes):
+                    yield Static(f"{i + 1}. {score_text(vote.score)}: {vote.text or '(empty)'}", markup=False, classes="body", id=f"hint-vote-{i}")
 
     def on_mount(self) -> None:
         self.run_worker(self._decode(), exit_on_error=False)

@@ -1,6 +1,8 @@
-"""The latest training samples, newest first: session, turn, votes, verdict, mask, reward,
-tokens, weights version. A row promoted by the at-least-one rule, or masked out, is styled so
-it stands out. Keeps the samples it shows so a selected row can be opened in full.
+"""The latest training samples, newest first: session, turn, votes, verdict, mask, reward, the
+signal it carries (rl, opd, combine or none), its teacher advantage once a step trained on it
+(--method opd|combine), tokens, weights version. A row promoted by the at-least-one rule, or
+masked out, is styled so it stands out. Keeps the samples it shows so a selected row can be
+opened in full.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ PROMOTED_STYLE = "bold #e0af68"  # mask forced to 1 by the at-least-one rule
 MASKED_STYLE = "dim italic"  # mask 0: kept in the records, not trained on
 COLUMNS = (
     ("#", "seq"), ("session", "session"), ("turn", "turn"), ("votes", "votes"), ("verdict", "verdict"),
-    ("mask", "mask"), ("reward", "reward"), ("tokens", "tokens"), ("ver", "version"),
+    ("mask", "mask"), ("reward", "reward"), ("signal", "kind"), ("teacher", "teacher"), ("tokens", "tokens"), ("ver", "version"),
 )  # fmt: skip
 
 
@@ -44,6 +46,8 @@ def row_cells(seq: int, sample: Sample) -> list[str]:
         "none" if sample.score is None else score_text(sample.score),
         ("1 promoted" if sample.promoted else "1") if sample.effective else "0",
         f"{sample.reward:+.2f}",
+        sample.kind,
+        "…" if sample.distilled else "—",  # filled in when a step trains on it
         f"{prompt}+{sample.response_length}",
         f"v{sample.weights_version}",
     ]
@@ -58,6 +62,7 @@ class SamplesTable(DataTable):
         super().__init__(cursor_type="row", zebra_stripes=True, **kwargs)
         self.max_rows = max_rows
         self.samples: dict[str, Sample] = {}
+        self.teacher_advantages: dict[str, float] = {}  # sample id -> token mean of teacher - old
         self._order: deque[str] = deque()
         self._seq = 0
 
@@ -81,6 +86,7 @@ class SamplesTable(DataTable):
             oldest = self._order.popleft()
             self.remove_row(oldest)
             self.samples.pop(oldest, None)
+            self.teacher_advantages.pop(oldest, None)
         self.sort("seq", key=lambda cell: -int(cell.plain))
         if selected is not None and selected.value in self.samples:
             self.move_cursor(row=self.get_row_index(selected), animate=False)
@@ -88,3 +94,10 @@ class SamplesTable(DataTable):
             self.move_cursor(row=0, animate=False)
         self.border_subtitle = f"{len(self.samples)} shown"
         return True
+
+    def set_teacher_advantages(self, advantages: dict[str, float]) -> None:
+        """A step's teacher advantages, shown on the rows still in the table."""
+        for sample_id, advantage in advantages.items():
+            if sample_id in self.samples:
+                self.teacher_advantages[sample_id] = advantage
+                self.update_cell(sample_id, "teacher", Text(f"{advantage:+.2f}", style=row_style(self.samples[sample_id])))
