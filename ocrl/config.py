@@ -61,7 +61,7 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     distill_topk: int = 0  # > 0: reverse KL over the teacher's top-K tokens + a tail bin instead of the PPO distillation term
     hint_placement: Literal["user", "system"] = "user"  # where the teacher sees the hint
     hint_min_chars: int = 10  # a hint must be longer than this
-    experience: Literal["off", "session", "cross-session"] = "off"  # earlier hints as the teacher's context
+    experience: Literal["off", "session", "cross-session", "posthoc"] = "off"  # earlier (posthoc: all) hints as the teacher's context
     experience_max: int = 8  # hints kept as experience (per session, or across sessions)
     rollout_batch_size: int = 16
     lr: float = 1e-5

@@ -63,7 +63,8 @@ class Session:
     closed: bool = False
     last_seen: float = field(default_factory=time.monotonic)
     prefix_keys: list[str] = field(default_factory=list)
-    hints: list[str] = field(default_factory=list)  # accepted hints, in order (--experience session)
+    hints: list[str] = field(default_factory=list)  # accepted hints, in order (--experience session|posthoc)
+    held: list = field(default_factory=list)  # posthoc: judged turns waiting for the session's end
 
     @property
     def judging(self) -> int:
@@ -114,12 +115,14 @@ class Distill:
       either is trainable, one with neither follows the rl rules (at-least-one).
     - experience: session | cross-session: the accepted hints of the session's earlier turns
       (or of recent turns of any session, newest `experience_max`) join the teacher's context,
-      so a turn can be distilled without a hint of its own."""
+      so a turn can be distilled without a hint of its own. posthoc: a session's judged turns
+      wait for its end, then each is scored with every hint of the whole session (a turn
+      judged after the end gets the hints known by then)."""
 
     method: str  # opd | combine
     hint: Callable[[str, str, str], Awaitable[Hint]]
     teacher_prompt: Callable[[Turn, list[str]], list[int]]
-    experience: str = "off"  # off | session | cross-session
+    experience: str = "off"  # off | session | cross-session | posthoc
     experience_max: int = 8
 
 
@@ -225,6 +228,7 @@ class Sessions:
             last = session.turns[-1]
             only = len(session.turns) == 1 and self.method != "opd"  # opd: no next state, no hint, nothing to learn
             self._emit(session, last, score=None, mask=1 if only else 0, reward=0.0, votes=[], promoted=False)
+        self._release_held(session)
         for key in session.prefix_keys:
             self.by_prefix.pop(key, None)
         self.counters["sessions_closed"] += 1
@@ -315,12 +319,32 @@ class Sessions:
             self._in_flight -= 1
 
     def _settle(self, session: Session, main_turn: _MainTurn, verdict: Verdict | None, hint: Hint | None) -> None:
-        """The sample of a judged turn: its mask, reward and (opd/combine) teacher prompt."""
-        experience = self._experience(session)
+        """The sample of a judged turn: its mask, reward and (opd/combine) teacher prompt. With
+        --experience posthoc the turn waits for its session to end (see `close`)."""
         own = hint.hint if hint else None
+        experience = [h for h in self._experience(session) if h != own]  # what was learned before this turn
         if own:
             session.hints.append(own)
             self._recent_hints.append(own)
+        if self.distill and self.distill.experience == "posthoc":
+            main_turn.state = "held"
+            session.held.append((main_turn, verdict, hint))
+            self._release_held(session)
+            return
+        self._finish(session, main_turn, verdict, hint, experience)
+
+    def _release_held(self, session: Session) -> None:
+        """posthoc: once the session has ended and no turn of it is being judged, every held turn
+        gets the whole session's hints as the teacher's context."""
+        if not session.closed or session.judging:
+            return
+        for main_turn, verdict, hint in session.held:
+            own = hint.hint if hint else None
+            self._finish(session, main_turn, verdict, hint, [h for h in self._experience(session) if h != own])
+        session.held.clear()
+
+    def _finish(self, session: Session, main_turn: _MainTurn, verdict: Verdict | None, hint: Hint | None, experience: list[str]) -> None:
+        own = hint.hint if hint else None
         teacher_ids = None
         if self.distill and (own or experience):
             try:
@@ -344,7 +368,7 @@ class Sessions:
     def _experience(self, session: Session) -> list[str]:
         """Earlier accepted hints the teacher sees with this turn (--experience)."""
         mode = self.distill.experience if self.distill else "off"
-        if mode == "session":
+        if mode in ("session", "posthoc"):
             hints = session.hints
         elif mode == "cross-session":
             hints = list(self._recent_hints)

@@ -179,6 +179,39 @@ async def test_session_experience_gives_earlier_hints_to_later_turns():
     assert [s.loss_mask[0] for s in samples] == [1, 1, 1, 0]
 
 
+async def test_posthoc_experience_scores_every_turn_with_the_whole_sessions_hints():
+    held_before_end = []
+
+    async def run() -> list[Sample]:
+        samples: list[Sample] = []
+        sessions = Sessions(judge=judge, submit=samples.append, distill=Distill("combine", hinter, teacher_prompt, "posthoc", 8))
+        states = [f"wrong, {LESSONS[0]}", "thanks next", f"wrong, {LESSONS[1]}"]
+        messages = [Message("user", "q0")]
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(sessions.run)
+            for i in range(4):
+                ticket = sessions.begin(session_id="p", turn_type="main", session_done=i == 3, messages=list(messages))
+                if i == 3:
+                    held_before_end.append(len(samples))  # turns 0, 1 judged and held; 2 being judged
+                sessions.complete(ticket, Completion([1, 2, i], [10 + i, 2], [-0.5, -0.1], f"a{i}", "stop", 0))
+                if i < 3:
+                    messages += [Message("assistant", f"a{i}"), Message("user", states[i])]
+                with anyio.fail_after(10):
+                    while sessions._in_flight:
+                        await anyio.sleep(0.001)
+            tg.cancel_scope.cancel()
+        return sorted(samples, key=lambda s: s.turn_index)
+
+    samples = await run()
+    assert held_before_end == [0]
+    assert [s.turn_index for s in samples] == [0, 1, 2, 3]
+    # each turn: the other hints of the whole session, then its own
+    assert samples[0].experience == [LESSONS[1]] and samples[0].teacher_prompt_ids == [1, 2, 0, 1001, 1000]
+    assert samples[1].experience == [LESSONS[0], LESSONS[1]] and samples[1].teacher_prompt_ids == [1, 2, 1, 1000, 1001]
+    assert samples[2].experience == [LESSONS[0]] and samples[2].teacher_prompt_ids == [1, 2, 2, 1000, 1001]
+    assert [s.kind for s in samples] == ["combine", "combine", "combine", "none"]
+
+
 # -- the teacher in the trainer -----------------------------------------------------------------
 
 
