@@ -305,6 +305,7 @@ class Daemon:
             return {"enabled": False}
         return {
             "enabled": True,
+            "method": self.config.method,
             "paused": trainer.paused,
             "steps": trainer.steps,
             "pending": trainer.pending,

@@ -85,12 +85,10 @@ async def bench_learn(
     """One learning curve per method, one after the other, each on a fresh daemon with the same
     persona, seed and turn budget; then the curves side by side (a table and one plot)."""
     methods = methods or [config.method]
-    unknown = [m for m in methods if m not in ("rl", "opd", "combine")]
-    if unknown:
-        raise SystemExit(f"ocrl: unknown method(s) {', '.join(unknown)}; choose from rl, opd, combine")
+    variants = {spec: _variant(config, spec) for spec in methods}  # "opd:system" = opd with --hint-placement system
     if len(methods) == 1:
         return await learn_once(
-            msgspec.structs.replace(config, method=methods[0]), persona_name=persona_name, turns=turns, concurrency=concurrency,
+            variants[methods[0]], persona_name=persona_name, turns=turns, concurrency=concurrency,
             probe_every=probe_every, tasks=tasks, max_tokens=max_tokens, probe_samples=probe_samples,
         )
     root = Path(config.record_dir) if config.record_dir else Path("runs") / time.strftime("learn-%Y%m%d-%H%M%S")
@@ -98,16 +96,16 @@ async def bench_learn(
     for method in methods:
         log.info("bench learn: method %s (%d of %d)", method, len(results) + 1, len(methods))
         results[method] = await learn_once(
-            msgspec.structs.replace(config, method=method, record_dir=str(root / method)), persona_name=persona_name, turns=turns,
+            msgspec.structs.replace(variants[method], record_dir=str(root / method.replace(":", "-"))), persona_name=persona_name, turns=turns,
             concurrency=concurrency, probe_every=probe_every, tasks=tasks, max_tokens=max_tokens, probe_samples=probe_samples,
             check_placement=not results and any(m != "rl" for m in methods),
         )
     persona = simulate.PERSONAS[persona_name]
     plot_methods({m: r["rows"] for m, r in results.items()}, root / "learning-methods.png", f"{persona.name}: {persona.description}")
     print(f"bench learn: {len(methods)} methods side by side, persona {persona.name}, {turns} main turns each, seed {config.seed}; {root}")
-    print(f"  {'method':<8} {'baseline':>8} {'final':>6} {'best':>6} {'steps':>5} {'turns':>5} {'distilled':>9} {'seconds':>7}")
+    print(f"  {'method':<10} {'baseline':>8} {'final':>6} {'best':>6} {'steps':>5} {'turns':>5} {'distilled':>9} {'seconds':>7}")
     for method, r in results.items():
-        print(f"  {method:<8} {r['baseline']:>8.2f} {r['final']:>6.2f} {r['best']:>6.2f} {r['steps']:>5} {r['main_turns']:>5} "
+        print(f"  {method:<10} {r['baseline']:>8.2f} {r['final']:>6.2f} {r['best']:>6.2f} {r['steps']:>5} {r['main_turns']:>5} "
               f"{r['distilled_share']:>9.2f} {r['seconds']:>7}")
     placement = next((r["placement"] for r in results.values() if r.get("placement")), None)
     if placement:
@@ -115,8 +113,16 @@ async def bench_learn(
               f"user message {placement['user']:.2f}, system note {placement['system']:.2f}")
     print("  pass rate by training step (probe rows):")
     for method, r in results.items():
-        print(f"  {method:<8} " + " ".join(f"s{row['step']}:{row['pass_rate']:.2f}" for row in r["rows"]))
+        print(f"  {method:<10} " + " ".join(f"s{row['step']}:{row['pass_rate']:.2f}" for row in r["rows"]))
     return results
+
+
+def _variant(config, spec: str):
+    """A method spec: rl | opd | combine, optionally `:user` or `:system` for where the teacher sees the hint."""
+    method, _, placement = spec.partition(":")
+    if method not in ("rl", "opd", "combine") or placement not in ("", "user", "system") or (placement and method == "rl"):
+        raise SystemExit(f"ocrl: unknown method {spec!r}; choose from rl, opd, combine (opd and combine take :user or :system)")
+    return msgspec.structs.replace(config, method=method, hint_placement=placement or config.hint_placement)
 
 
 def plot_methods(curves: dict[str, list[dict]], path: Path, title: str) -> None:

@@ -85,7 +85,7 @@ SNAPSHOT = {
         "samples_mask1": 2, "samples_mask0": 2, "samples_promoted": 1,
     },  # fmt: skip
     "samples": {"queued": 0, "journal_backlog_at_start": 0},
-    "training": {"enabled": True, "paused": False, "steps": 2, "pending": 1, "batch_size": 2, "consumed_samples": 4, "last": {}},
+    "training": {"enabled": True, "method": "combine", "paused": False, "steps": 2, "pending": 1, "batch_size": 2, "consumed_samples": 4, "last": {}},
 }
 
 
@@ -174,7 +174,7 @@ async def test_widgets_show_the_scripted_events():
 
         engine = app.query_one(EnginePanel)
         assert (engine.state.model, engine.state.weights_version, engine.state.queue_depth, engine.state.active) == ("tiny-test-model", 2, 3, 2)
-        assert engine.state.turns == 1
+        assert engine.state.turns == 1 and engine.state.method == "combine"
         assert engine.last_swap.weights_version == 2 and not engine.last_swap.verified
 
         sessions = app.query_one(SessionsPanel)

@@ -26,6 +26,7 @@ class EngineState(msgspec.Struct, frozen=True):
     active: int = 0
     generated_tokens: int = 0
     turns: int = 0  # turns served since the dashboard started
+    method: str = "—"  # the training method (rl | opd | combine), "off" without training
 
 
 def ago(seconds: float) -> str:
@@ -34,6 +35,12 @@ def ago(seconds: float) -> str:
     if seconds < 3600:
         return f"{seconds / 60:.0f}m ago"
     return f"{seconds / 3600:.1f}h ago"
+
+
+def _method(training: dict | None, known: str) -> str:
+    if not isinstance(training, dict):
+        return known
+    return training.get("method", known) if training.get("enabled") else "off"
 
 
 class EnginePanel(Widget):
@@ -66,6 +73,7 @@ class EnginePanel(Widget):
             queue_depth=engine.get("queue_depth", 0),
             active=engine.get("active", 0),
             generated_tokens=generated,
+            method=_method(snapshot.get("training"), self.state.method),
         )
 
     def turn_served(self, turn: TurnServed) -> None:
@@ -84,6 +92,7 @@ class EnginePanel(Widget):
         table.add_column(justify="right", no_wrap=True, overflow="ellipsis", ratio=1)
         table.add_row("model", Text(s.model, style="bold"))
         table.add_row("version", Text(f"v{s.weights_version}", style="bold #9ece6a"))
+        table.add_row("method", s.method)
         table.add_row("tokens/s", "—" if s.tokens_per_s is None else f"{s.tokens_per_s:.1f}")
         table.add_row("queue · active", f"{s.queue_depth} · {s.active}")
         table.add_row("turns seen", str(s.turns))
