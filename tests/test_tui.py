@@ -166,8 +166,9 @@ async def test_widgets_show_the_scripted_events():
         assert rewards.step_rewards == [0.5, 0.25]
         # losses: one point per step per metric; the infinite grad norm is shown, not plotted
         assert {key: len(values) for key, values in losses.history.items()} == {
-            "pg_loss": 2, "kl": 2, "clip_frac": 2, "entropy": 2, "grad_norm": 1,
+            "pg_loss": 2, "kl": 2, "clip_frac": 2, "entropy": 2, "grad_norm": 1, "teacher_advantage": 0,
         }  # fmt: skip
+        assert str(losses.query_one("#value-teacher_advantage").render()) == "—"  # rl steps carry none
         assert losses.history["pg_loss"] == [0.5, -0.2]
         assert str(losses.query_one("#value-grad_norm").render()) == "inf"
         assert losses.border_subtitle == "step 2 · v2"
@@ -629,8 +630,9 @@ async def test_a_distilled_sample_shows_its_signal_hint_and_teacher_advantage():
         app.main.post_message(EventArrived(SampleReady(sample=distilled)))
         await until(pilot, lambda: table.row_count == 5)
         assert plain(table.get_row("d:4:0"))[7:9] == ["combine", "…"]  # waiting for its step
-        app.main.post_message(EventArrived(TrainStep(step=3, weights_version=3, metrics={"pg_loss": 0.1}, teacher_advantages={"d:4:0": -0.25, "gone": 1.0})))
+        app.main.post_message(EventArrived(TrainStep(step=3, weights_version=3, metrics={"pg_loss": 0.1, "teacher_advantage": -0.25}, teacher_advantages={"d:4:0": -0.25, "gone": 1.0})))
         await until(pilot, lambda: plain(table.get_row("d:4:0"))[8] == "-0.25")
+        assert str(app.query_one(LossPlot).query_one("#value-teacher_advantage").render()) == "-0.25"
         table.move_cursor(row=table.get_row_index("d:4:0"))
         await pilot.press("enter")
         await until(pilot, lambda: isinstance(app.screen, SampleScreen))

@@ -14,7 +14,8 @@ from textual.widgets import Label, Sparkline
 
 from ocrl.types import TrainStep
 
-LOSS_KEYS = ("pg_loss", "kl", "clip_frac", "entropy", "grad_norm")
+LOSS_KEYS = ("pg_loss", "kl", "clip_frac", "entropy", "grad_norm", "teacher_advantage")
+LABELS = {"teacher_advantage": "teacher"}  # opd/combine: token mean of teacher - old; "—" under rl
 KEEP = 2048  # steps kept per diagnostic
 
 
@@ -39,7 +40,7 @@ class LossPlot(Vertical):
     def compose(self) -> ComposeResult:
         for key in LOSS_KEYS:
             with Horizontal(id=f"row-{key}"):
-                yield Label(key, classes="name")
+                yield Label(LABELS.get(key, key), classes="name")
                 yield Sparkline([], summary_function=fmean, id=f"spark-{key}")
                 yield Label("—", classes="value", id=f"value-{key}")
 
