@@ -27,14 +27,14 @@ def judge_agreement(feedback: list[simulate.Judged], verdicts_path: Path) -> dic
     not). A 0 verdict is an abstention: counted in coverage, not as agreement. Without verdicts
     (--method opd), the hint judge is scored instead: a hint counts as -1, none as +1."""
     scores = {}
-    hints_path = verdicts_path.with_name("hints.jsonl")
-    if not verdicts_path.exists() and hints_path.exists():
-        for line in hints_path.read_bytes().splitlines():
-            row = msgspec.json.decode(line)
-            scores[(row["session_id"], row["turn_index"])] = -1 if row["hint"] is not None else 1
     for line in verdicts_path.read_bytes().splitlines() if verdicts_path.exists() else []:
         row = msgspec.json.decode(line)
         scores[(row["session_id"], row["turn_index"])] = row["score"]
+    hints_path = verdicts_path.with_name("hints.jsonl")
+    if not scores and hints_path.exists():
+        for line in hints_path.read_bytes().splitlines():
+            row = msgspec.json.decode(line)
+            scores[(row["session_id"], row["turn_index"])] = -1 if row["hint"] is not None else 1
     judged = [(f.passed, scores[(f.session_id, f.turn_index)]) for f in feedback if (f.session_id, f.turn_index) in scores]
     decided = [(p, s) for p, s in judged if s != 0]
     agree = sum((s == 1) == p for p, s in decided)
