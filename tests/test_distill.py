@@ -212,6 +212,26 @@ async def test_posthoc_experience_scores_every_turn_with_the_whole_sessions_hint
     assert [s.kind for s in samples] == ["combine", "combine", "combine", "none"]
 
 
+def test_no_record_text_keeps_hints_out_of_the_records(tmp_path):
+    from ocrl.records import Records
+
+    records = Records(tmp_path, record_text=False)
+    words = "Too long, answer in one short sentence."
+    records.hint("s", 0, Hint(hint=words, votes=[Vote(1, f"[HINT]{words}[/HINT]")], mode="embed-hint"))
+    sample = Sample(
+        sample_id="s:u:0", session_id="s", turn_index=0, tokens=[1, 2, 3], response_length=1, loss_mask=[1], rollout_logprobs=[-1.0],
+        reward=-1.0, weights_version=0, score=-1, next_state=words, method="combine", hint=words, experience=[words],
+        hint_votes=[Vote(1, words)], teacher_prompt_ids=[1, 2, 9],
+    )
+    records.sample(sample)
+    records.journal(sample)
+    records.close()
+    for name in ("hints.jsonl", "samples.jsonl", "journal.jsonl"):
+        assert "short sentence" not in (tmp_path / name).read_text(), name
+    [journaled] = records.backlog()
+    assert journaled.teacher_prompt_ids == [1, 2, 9] and journaled.hint == "" and journaled.distilled  # ids stay: training needs them
+
+
 # -- the teacher in the trainer -----------------------------------------------------------------
 
 
