@@ -9,6 +9,8 @@ Rules (DESIGN.md, "The method"):
   unless it is the session's only main turn.
 - Every main turn yields exactly one sample: at its verdict, or at session end if it never got
   a next state.
+- --method opd|combine (see `Distill`): the hint judge votes beside (combine) or instead of
+  (opd) the PRM, and a turn with a hint carries the teacher's prompt in its sample.
 
 A request without a session id is threaded by prefix: if its messages extend a known main turn's
 messages + that turn's response, it continues that session. This module knows nothing of HTTP,
@@ -320,7 +322,7 @@ class Sessions:
 
     def _settle(self, session: Session, main_turn: _MainTurn, verdict: Verdict | None, hint: Hint | None) -> None:
         """The sample of a judged turn: its mask, reward and (opd/combine) teacher prompt. With
-        --experience posthoc the turn waits for its session to end (see `close`)."""
+        --experience posthoc the turn waits for its session to end (see `_release_held`)."""
         own = hint.hint if hint else None
         experience = [h for h in self._experience(session) if h != own]  # what was learned before this turn
         if own:
