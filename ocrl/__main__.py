@@ -29,7 +29,7 @@ def add_simulation_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tasks", type=int, default=2, help="tasks per session")
     parser.add_argument("--probe-every", type=int, default=2, help="learn: probe every N training steps")
     parser.add_argument("--probe-samples", type=int, default=2, help="learn: samples per probe prompt")
-    parser.add_argument("--methods", default=None, help="learn: comma-separated methods to run one after the other, e.g. rl,opd,combine (opd:system = opd with --hint-placement system)")
+    parser.add_argument("--methods", default=None, help="learn: comma-separated methods to run one after the other, e.g. rl,opd,combine (opd:system = opd with --hint-placement system, combine:topk16 = combine with --distill-topk 16)")
 
 
 def main(argv: list[str] | None = None) -> int:

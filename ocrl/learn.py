@@ -86,11 +86,20 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
 
 
 def _variant(config, spec: str):
-    """A method spec: rl | opd | combine, optionally `:user` or `:system` for where the teacher sees the hint."""
-    method, _, placement = spec.partition(":")
-    if method not in ("rl", "opd", "combine") or placement not in ("", "user", "system") or (placement and method == "rl"):
-        raise SystemExit(f"ocrl: unknown method {spec!r}; choose from rl, opd, combine (opd and combine take :user or :system)")
-    return msgspec.structs.replace(config, method=method, hint_placement=placement or config.hint_placement)
+    """A method spec: rl | opd | combine, then optionally `:user` or `:system` (where the teacher
+    sees the hint) and `:topk<K>` (--distill-topk K), e.g. `combine:system:topk16`."""
+    method, *options = spec.split(":")
+    fields: dict = {"method": method}
+    for option in options:
+        if option in ("user", "system"):
+            fields["hint_placement"] = option
+        elif option.startswith("topk") and option[4:].isdigit() and int(option[4:]) > 0:
+            fields["distill_topk"] = int(option[4:])
+        else:
+            method = ""  # not a spec
+    if method not in ("rl", "opd", "combine") or (options and method == "rl"):
+        raise SystemExit(f"ocrl: unknown method {spec!r}; choose from rl, opd, combine (opd and combine take :user, :system, :topk<K>)")
+    return msgspec.structs.replace(config, **fields)
 
 
 def plot_methods(curves: dict[str, list[dict]], path: Path, title: str) -> None:

@@ -353,3 +353,15 @@ async def test_a_combine_daemon_builds_a_teacher_prompt_from_the_users_correctio
     assert f"What is 2+3?\n\n[{chat.HINT_LABEL}]\n{correction}<|im_end|>" in teacher
     hints = [json.loads(line) for line in (tmp_path / "run" / "hints.jsonl").read_text().splitlines()]
     assert hints[0]["hint"] == correction and hints[0]["mode"] == "embed-hint"
+
+
+def test_bench_learn_method_specs():
+    from ocrl.config import Config
+    from ocrl.learn import _variant
+
+    got = _variant(Config(), "combine:system:topk16")
+    assert (got.method, got.hint_placement, got.distill_topk) == ("combine", "system", 16)
+    assert _variant(Config(hint_placement="system"), "opd").hint_placement == "system"  # the flag stands unless the spec says
+    for bad in ("rl:system", "opd:topk0", "opd:sideways", "ppo"):
+        with pytest.raises(SystemExit):
+            _variant(Config(), bad)
