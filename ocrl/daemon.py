@@ -139,7 +139,9 @@ class Daemon:
         config = self.config
         set_threads(config)
         self.events.publish(Progress(task="loading model", done=0, total=3))
-        loaded = await anyio.to_thread.run_sync(lambda: models.load(config.model, device=config.device, dtype=config.dtype))
+        loaded = await anyio.to_thread.run_sync(
+            lambda: models.load(config.model, device=config.device, dtype=config.dtype, random_init=config.random_init)
+        )
         self.loaded = loaded
         self.events.publish(Progress(task="loading model", done=1, total=3))
         self.engine = await build_engine(config, loaded)

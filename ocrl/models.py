@@ -136,6 +136,16 @@ def pick_device(device: str) -> str:
     return device
 
 
+def attn_implementation(device: str, torch_dtype) -> str:
+    """flash-attention 2 on CUDA in half precision when the package is installed, else SDPA."""
+    import torch
+
+    half = torch_dtype in (torch.bfloat16, torch.float16)
+    if device.startswith("cuda") and half and importlib.util.find_spec("flash_attn") is not None:
+        return "flash_attention_2"
+    return "sdpa"
+
+
 def quiet_progress_bars() -> None:
     """Logs are plain lines when not on a terminal: no carriage-return progress bars from
     transformers (our own progress is logged as lines and published as events)."""
@@ -145,11 +155,16 @@ def quiet_progress_bars() -> None:
         hf_logging.disable_progress_bar()
 
 
-def load(model: str = "embedded", *, device: str = "auto", dtype: str = "auto") -> LoadedModel:
+def load(model: str = "embedded", *, device: str = "auto", dtype: str = "auto", random_init: str = "") -> LoadedModel:
+    """`random_init` names an architecture to build with random weights instead (see random_init.py)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     quiet_progress_bars()
+    if random_init:
+        from ocrl import random_init as random_init_mod
+
+        return random_init_mod.build(random_init, device=device, dtype=dtype)
     kind, where = resolve(model)
     name = short_name(model, kind, where)
     device = pick_device(device)
@@ -161,7 +176,9 @@ def load(model: str = "embedded", *, device: str = "auto", dtype: str = "auto") 
     log.info("loading %s from %s (%s, %s)", name, where, device, str(torch_dtype).removeprefix("torch."))
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(where), **local_only)
-        weights = AutoModelForCausalLM.from_pretrained(str(where), dtype=torch_dtype, **local_only)
+        weights = AutoModelForCausalLM.from_pretrained(
+            str(where), dtype=torch_dtype, attn_implementation=attn_implementation(device, torch_dtype), **local_only
+        )
     except OSError as e:
         raise ModelError(f"cannot load --model {model!r} from local files ({e}); nothing is downloaded") from None
     weights.to(device).eval()

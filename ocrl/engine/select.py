@@ -1,6 +1,9 @@
 """Which engine serves: `--engine auto|hf|sglang`.
 
-auto picks SGLang when CUDA and the `gpu` extra are present, else the transformers engine.
+auto picks SGLang when the model sits on a CUDA device and `import sglang` works (the `gpu`
+extra), else the transformers engine, which also runs on CUDA as the fallback. `--engine sglang`
+without either is a configuration error that says what is missing. This module knows engines by
+name only; it imports SGLang only when the model is on CUDA.
 """
 
 from __future__ import annotations
@@ -10,19 +13,52 @@ import logging
 log = logging.getLogger("ocrl.engine")
 
 
-def resolve(config, device_type: str) -> str:
-    if config.engine != "auto":
-        return config.engine
+def sglang_problem() -> str | None:
+    """None when SGLang imports, else why not (importing it on a CPU box is never attempted)."""
+    try:
+        import sglang  # noqa: F401
+    except Exception as e:  # ImportError, or a broken CUDA build raising something else
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def resolve(config, device_type: str, *, sglang_check=sglang_problem) -> str:
+    from ocrl.config import ConfigError
+
+    if config.engine == "hf":
+        return "hf"
+    if device_type != "cuda":
+        if config.engine == "sglang":
+            raise ConfigError(
+                f"--engine sglang needs a CUDA GPU, and the model is on {device_type} "
+                "(use --engine hf or auto on this machine)"
+            )
+        return "hf"
+    problem = sglang_check()
+    if problem is None:
+        return "sglang"
+    if config.engine == "sglang":
+        raise ConfigError(
+            f"--engine sglang: SGLang is not usable here ({problem}); install the gpu extra "
+            "(pip install -e '.[gpu]'; ./run.sh does it on a box with nvidia-smi) or use --engine hf"
+        )
+    log.info("engine auto: SGLang not usable (%s); serving with transformers on CUDA", problem)
     return "hf"
 
 
 async def build_engine(config, loaded):
-    from ocrl.engine.hf import HFEngine
-
     device_type = next(loaded.model.parameters()).device.type
     which = resolve(config, device_type)
-    if which != "hf":
-        from ocrl.config import ConfigError
+    log.info("engine: %s on %s", which, device_type)
+    if which == "sglang":
+        from ocrl.engine.sglang import SGLangEngine
 
-        raise ConfigError(f"--engine {which} is not available in this build")
+        engine = await SGLangEngine.start(loaded, config)
+        if config.random_init:
+            # SGLang started from dummy weights: serve exactly the random model we hold (the
+            # trainer starts from it too), as version 0.
+            await engine.update_weights({n: p.detach() for n, p in loaded.model.named_parameters()}, version=0)
+        return engine
+    from ocrl.engine.hf import HFEngine
+
     return HFEngine(loaded, max_batch_size=config.max_batch_size, max_queued=config.max_queued_requests, max_context=config.context_length)
