@@ -339,7 +339,9 @@ class SGLangEngine:
                     if ids or delta:
                         yield TokenChunk(token_ids=ids, logprobs=logprobs, text=delta, top_logprobs=tops)
                     continue
+                # settle before the final chunk: a consumer stops reading at it and never resumes us
                 finished = True
+                self._settle(rid, streaming, abort=stopped)
                 yield Final(
                     token_ids=ids, logprobs=logprobs, text=delta, top_logprobs=tops, finish_reason=finish,
                     weights_version=self._final_version(adapter, version, out["meta_info"]),
@@ -347,13 +349,17 @@ class SGLangEngine:
                 return
             raise EngineError("sglang ended the stream without a finish reason")
         finally:
-            if streaming:
-                self.active -= 1
-            else:
-                self._waiting -= 1
-            if stopped or not finished:
-                self.tm.abort_request(rid)  # a stop string or a consumer that left: free the slot now
+            if not finished:  # an error, or a consumer that left: free SGLang's slot now
+                self._settle(rid, streaming, abort=True)
             await outputs.aclose()
+
+    def _settle(self, rid: str, streaming: bool, *, abort: bool) -> None:
+        if streaming:
+            self.active -= 1
+        else:
+            self._waiting -= 1
+        if abort:
+            self.tm.abort_request(rid)
 
     def _tokens_through(self, progress: _Stream, stops) -> int:
         """How many tokens it took to complete the first stop string (those are kept; a chunk
