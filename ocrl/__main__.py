@@ -41,8 +41,8 @@ def main(argv: list[str] | None = None) -> int:
     config_mod.add_flags(serve)
     bench = commands.add_parser("bench", help="benchmarks, each a ratio against a baseline in the same run")
     bench.add_argument(
-        "which", choices=["serve", "train", "learn", "soak"],
-        help="serve: proxy overhead and batching; train: step, swap and stall; learn: a learning curve; soak: concurrent sessions for --seconds",
+        "which", choices=["serve", "train", "learn", "soak", "gpu"],
+        help="serve: proxy overhead and batching; train: step, swap and stall; learn: a learning curve; soak: concurrent sessions for --seconds; gpu: engines on CUDA (swap, stall, step, tokens/s)",
     )
     bench.add_argument("--seconds", type=float, default=60.0, help="soak: how long to drive --concurrency sessions")
     bench.add_argument("--repeats", type=int, default=5)
