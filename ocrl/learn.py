@@ -85,6 +85,45 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     _figure(path, title, draw)
 
 
+async def bench_learn(
+    config, *, persona_name: str, turns: int, concurrency: int, probe_every: int, tasks: int, max_tokens: int, probe_samples: int,
+    methods: list[str] | None = None,
+) -> dict:
+    """One learning curve per method, one after the other, each on a fresh daemon with the same
+    persona, seed and turn budget; then the curves side by side (a table and one plot)."""
+    methods = methods or [config.method]
+    variants = {spec: _variant(config, spec) for spec in methods}  # "opd:system" = opd with --hint-placement system
+    if len(methods) == 1:
+        return await learn_once(
+            variants[methods[0]], persona_name=persona_name, turns=turns, concurrency=concurrency,
+            probe_every=probe_every, tasks=tasks, max_tokens=max_tokens, probe_samples=probe_samples,
+        )
+    root = Path(config.record_dir) if config.record_dir else Path("runs") / time.strftime("learn-%Y%m%d-%H%M%S")
+    results: dict[str, dict] = {}
+    for method in methods:
+        log.info("bench learn: method %s (%d of %d)", method, len(results) + 1, len(methods))
+        results[method] = await learn_once(
+            msgspec.structs.replace(variants[method], record_dir=str(root / method.replace(":", "-"))), persona_name=persona_name, turns=turns,
+            concurrency=concurrency, probe_every=probe_every, tasks=tasks, max_tokens=max_tokens, probe_samples=probe_samples,
+            check_placement=not results and any(m != "rl" for m in methods),
+        )
+    persona = simulate.PERSONAS[persona_name]
+    plot_methods({m: r["rows"] for m, r in results.items()}, root / "learning-methods.png", f"{persona.name}: {persona.description}")
+    print(f"bench learn: {len(methods)} methods side by side, persona {persona.name}, {turns} main turns each, seed {config.seed}; {root}")
+    print(f"  {'method':<10} {'baseline':>8} {'final':>6} {'best':>6} {'steps':>5} {'turns':>5} {'distilled':>9} {'seconds':>7}")
+    for method, r in results.items():
+        print(f"  {method:<10} {r['baseline']:>8.2f} {r['final']:>6.2f} {r['best']:>6.2f} {r['steps']:>5} {r['main_turns']:>5} "
+              f"{r['distilled_share']:>9.2f} {r['seconds']:>7}")
+    placement = next((r["placement"] for r in results.values() if r.get("placement")), None)
+    if placement:
+        print(f"  hint placement (base policy, probe pass rate with a complaint as hint): none {placement['none']:.2f}, "
+              f"user message {placement['user']:.2f}, system note {placement['system']:.2f}")
+    print("  pass rate by training step (probe rows):")
+    for method, r in results.items():
+        print(f"  {method:<10} " + " ".join(f"s{row['step']}:{row['pass_rate']:.2f}" for row in r["rows"]))
+    return results
+
+
 def _variant(config, spec: str):
     """A method spec: rl | opd | combine, then optionally `:user` or `:system` (where the teacher
     sees the hint) and `:topk<K>` (--distill-topk K), e.g. `combine:system:topk16`."""
