@@ -165,10 +165,13 @@ class Daemon:
             distill=self._build_distill(loaded),
         )
         if not config.no_train:
-            from ocrl.train.trainer import Trainer
+            from ocrl.train.trainer import Trainer, train_device, verify_tolerance
 
             self.trainer = await anyio.to_thread.run_sync(
-                lambda: Trainer(config, loaded.model, engine=self.engine, records=self.records, events=self.events)
+                lambda: Trainer(
+                    config, loaded.model, engine=self.engine, records=self.records, events=self.events,
+                    device=train_device(loaded.model), verify_atol=verify_tolerance(loaded.model),
+                )
             )
             if config.resume:
                 restored = self.trainer.load_latest()
@@ -203,7 +206,10 @@ class Daemon:
             # it gets its own frozen copy (or --prm-model).
             if config.prm_model or not config.no_train:
                 judge_loaded = await anyio.to_thread.run_sync(
-                    lambda: models.load(config.prm_model or config.model, device=config.device, dtype=config.dtype)
+                    lambda: models.load(
+                        config.prm_model or config.model, device=config.device, dtype=config.dtype,
+                        random_init="" if config.prm_model else config.random_init,
+                    )
                 )
                 self.judge_engine = HFEngine(judge_loaded, max_batch_size=config.max_batch_size)
                 completer = EngineCompleter(self.judge_engine, judge_loaded.tokenizer)

@@ -545,3 +545,24 @@ async def test_a_step_gives_way_between_layers_in_the_backward(base):
     row = await trainer.step(samples)
     assert request.at is not None and layer_0_grad_at[0] - request.at >= 0.25
     assert row["yield_seconds"] >= 0.25
+
+
+def test_trainer_follows_the_served_model_device_and_dtype(base):
+    """The daemon trains where the served model sits, with a probe tolerance for its dtype."""
+    from ocrl.train.trainer import train_device, verify_tolerance
+
+    assert train_device(base) == torch.device("cpu")
+    assert verify_tolerance(base) == 1e-3
+    assert verify_tolerance(copy.deepcopy(base).to(torch.bfloat16)) > 0.1  # 16-bit rounding is not a failed swap
+
+
+def test_flash_attention_model_trains_with_sdpa_in_fp32(base):
+    """A model served with flash-attention 2 (16-bit only) gets an fp32 trainer copy on SDPA;
+    the served model keeps its attention."""
+    served = copy.deepcopy(base)
+    served.config._attn_implementation = "flash_attention_2"  # as models.load sets it on CUDA with flash-attn
+    trainer = Trainer(make_config(), served, engine=make_engine(base), yield_to=None)
+    assert trainer.model.config._attn_implementation == "sdpa"
+    assert served.config._attn_implementation == "flash_attention_2"
+    sample = make_samples(base, 1)[0]
+    assert_close(trainer.response_logprobs([sample])[0], teacher_forced(base, sample), atol=1e-5, rtol=0)

@@ -139,6 +139,18 @@ class _GiveWay:
         self.spent += time.perf_counter() - started
 
 
+def train_device(model) -> torch.device:
+    """The trainer works where the served model sits (the GPU on a GPU box, else the CPU)."""
+    return next(model.parameters()).device
+
+
+def verify_tolerance(model) -> float:
+    """Largest served-vs-trainer log-prob gap on the probe that still counts as the same
+    weights: an fp32 engine agrees with the fp32 trainer to ~1e-6; a 16-bit engine rounds every
+    activation, so its gap is that rounding (0.25 is a guess until measured on a GPU)."""
+    return 1e-3 if next(model.parameters()).dtype == torch.float32 else 0.25
+
+
 def _proceed() -> None:
     pass
 
@@ -320,6 +332,9 @@ class Trainer:
 
     def _build(self, model):
         base = copy.deepcopy(model).to(device=self.device, dtype=torch.float32)
+        if getattr(base.config, "_attn_implementation", None) == "flash_attention_2":
+            # flash-attention takes only 16-bit inputs; the trainer's fp32 copy attends with SDPA
+            base.set_attn_implementation("sdpa")
         base.eval()  # no dropout: the policy we train must be the one the engine samples from
         if not self.lora:
             base.requires_grad_(True)
