@@ -4,6 +4,7 @@ teacher's log-probs and advantages in the trainer, and one combine session end t
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import anyio
 import pytest
@@ -365,3 +366,32 @@ def test_bench_learn_method_specs():
     for bad in ("rl:system", "opd:topk0", "opd:sideways", "ppo"):
         with pytest.raises(SystemExit):
             _variant(Config(), bad)
+
+
+async def test_bench_learn_runs_each_method_on_its_own_run_dir(tmp_path, monkeypatch, capsys):
+    """bench learn --methods: one learn_once per spec, in order, each with its variant config and
+    its own run dir; the placement check on the first only; one table and one plot."""
+    from ocrl import learn
+    from ocrl.config import Config
+
+    calls = []
+
+    async def fake_learn_once(config, **kw):
+        calls.append((config.method, config.hint_placement, Path(config.record_dir).name, kw["check_placement"]))
+        rows = [{"step": 0, "main_turns": 0, "pass_rate": 0.4}, {"step": 3, "main_turns": 12, "pass_rate": 0.5}]
+        return {"rows": rows, "baseline": 0.4, "final": 0.5, "best": 0.5, "steps": 3, "main_turns": 12,
+                "distilled_share": 0.0 if config.method == "rl" else 0.25, "seconds": 1,
+                "placement": {"none": 0.4, "user": 0.5, "system": 0.6} if kw["check_placement"] else None}
+
+    plotted = {}
+    monkeypatch.setattr(learn, "learn_once", fake_learn_once)
+    monkeypatch.setattr(learn, "plot_methods", lambda curves, path, title: plotted.update(curves=curves, path=path))
+    results = await learn.bench_learn(
+        Config(record_dir=str(tmp_path)), persona_name="brief", turns=12, concurrency=2, probe_every=4, tasks=4,
+        max_tokens=16, probe_samples=1, methods=["rl", "opd", "combine:system"],
+    )
+    assert calls == [("rl", "user", "rl", True), ("opd", "user", "opd", False), ("combine", "system", "combine-system", False)]
+    assert list(results) == ["rl", "opd", "combine:system"] == list(plotted["curves"])
+    assert plotted["path"] == tmp_path / "learning-methods.png"
+    out = capsys.readouterr().out
+    assert "3 methods side by side" in out and "system note 0.60" in out and "combine:system" in out
