@@ -13,6 +13,27 @@ from typing import AsyncIterator, Protocol
 from ocrl.types import Completion, FinishReason, SamplingParams, TokenChunk, TopLogprob
 
 
+def find_stop(text: str, stops: tuple[str, ...], emitted_chars: int) -> int:
+    """Where the first stop string starts in `text` (decoded so far), or -1. Only the tail that
+    could hold a new match is searched: text already emitted had none."""
+    if not stops:
+        return -1
+    window = max(0, emitted_chars - max(len(s) for s in stops))
+    hits = [i for s in stops if (i := text.find(s, window)) >= 0]
+    return min(hits) if hits else -1
+
+
+def held_back(text: str, stops: tuple[str, ...]) -> int:
+    """How many trailing chars might be the start of a stop string (and so must wait)."""
+    hold = 0
+    for stop in stops:
+        for n in range(min(len(stop) - 1, len(text)), 0, -1):
+            if text.endswith(stop[:n]):
+                hold = max(hold, n)
+                break
+    return hold
+
+
 class EngineError(RuntimeError):
     """A generation failed inside the engine (the request gets a 5xx; the engine keeps serving)."""
 

@@ -25,7 +25,7 @@ from typing import AsyncIterator
 import anyio
 import torch
 
-from ocrl.engine.base import EngineBusy, EngineError, Final, collect
+from ocrl.engine.base import EngineBusy, EngineError, Final, collect, find_stop, held_back
 from ocrl.faults import crash_point
 from ocrl.types import Completion, FinishReason, SamplingParams, TokenChunk, TopLogprob
 
@@ -47,17 +47,6 @@ class _Request:
     emitted_chars: int = 0
     finish: FinishReason | None = None
     closed: bool = False  # the consumer went away
-
-
-def _held_back(text: str, stops: tuple[str, ...]) -> int:
-    """How many trailing chars might be the start of a stop string (and so must wait)."""
-    hold = 0
-    for stop in stops:
-        for n in range(min(len(stop) - 1, len(text)), 0, -1):
-            if text.endswith(stop[:n]):
-                hold = max(hold, n)
-                break
-    return hold
 
 
 class HFEngine:
@@ -197,11 +186,7 @@ class HFEngine:
         stops = request.params.stop
         is_eos = token in self.eos_ids
         text = self.tokenizer.decode(request.response_ids, skip_special_tokens=True)
-        stop_at = -1
-        if stops:
-            window = request.emitted_chars - max(len(s) for s in stops)
-            hits = [i for s in stops if (i := text.find(s, max(0, window))) >= 0]
-            stop_at = min(hits) if hits else -1
+        stop_at = find_stop(text, stops, request.emitted_chars)
         if stop_at >= 0:
             request.finish = "stop"
             end = stop_at
@@ -214,7 +199,7 @@ class HFEngine:
         elif text.endswith("\ufffd"):  # a multi-byte character not complete yet
             end = request.emitted_chars
         else:
-            end = len(text) - _held_back(text, stops)
+            end = len(text) - held_back(text, stops)
         delta = text[request.emitted_chars : max(end, request.emitted_chars)]
         request.emitted_chars = max(end, request.emitted_chars)
         chunk_tops = [tops] if request.params.top_logprobs else []

@@ -46,8 +46,7 @@ from typing import AsyncIterator
 
 import anyio
 
-from ocrl.engine.base import EngineBusy, EngineError, Final, collect
-from ocrl.engine.hf import _held_back
+from ocrl.engine.base import EngineBusy, EngineError, Final, collect, find_stop, held_back
 from ocrl.types import Completion, SamplingParams, TokenChunk, TopLogprob
 
 log = logging.getLogger("ocrl.engine")
@@ -316,11 +315,7 @@ class SGLangEngine:
                 self.generated_tokens += len(ids)
                 finish = _finish_reason(out["meta_info"].get("finish_reason"))
                 text = self.tokenizer.decode(progress.ids, skip_special_tokens=True)
-                stop_at = -1
-                if stops:
-                    window = progress.emitted_chars - max(len(s) for s in stops)
-                    hits = [i for s in stops if (i := text.find(s, max(0, window))) >= 0]
-                    stop_at = min(hits) if hits else -1
+                stop_at = find_stop(text, stops, progress.emitted_chars)
                 if stop_at >= 0:
                     finish, end, stopped = "stop", stop_at, True
                     keep = self._tokens_through(progress, stops)
@@ -332,7 +327,7 @@ class SGLangEngine:
                 elif text.endswith("\ufffd"):  # a multi-byte character not complete yet
                     end = progress.emitted_chars
                 else:
-                    end = len(text) - _held_back(text, stops)
+                    end = len(text) - held_back(text, stops)
                 delta = text[progress.emitted_chars : max(end, progress.emitted_chars)]
                 progress.emitted_chars = max(end, progress.emitted_chars)
                 if finish is None:
