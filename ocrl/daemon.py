@@ -204,7 +204,10 @@ class Daemon:
         else:
             # The judge reads the policy's base weights, never the trained ones: while training,
             # it gets its own frozen copy (or --prm-model).
-            if config.prm_model or not config.no_train:
+            if not config.prm_model and getattr(self.engine, "accepts_adapters", False):
+                # LoRA weight sync: the policy is an adapter, so the engine's base weights are the judge
+                completer = EngineCompleter(self.engine.base(), loaded.tokenizer)
+            elif config.prm_model or not config.no_train:
                 judge_loaded = await anyio.to_thread.run_sync(
                     lambda: models.load(
                         config.prm_model or config.model, device=config.device, dtype=config.dtype,

@@ -36,7 +36,8 @@ ARCH = os.environ.get("OCRL_GPU_TEST_MODEL", "qwen3-0.6b" if CUDA else "tiny")
 def engines() -> list[str]:
     from ocrl.engine.select import sglang_problem
 
-    return ["hf"] + (["sglang"] if CUDA and sglang_problem() is None else [])
+    # sglang-lora: SGLang with --weight-sync lora (the trainer's adapter is swapped, not weights)
+    return ["hf"] + (["sglang", "sglang-lora"] if CUDA and sglang_problem() is None else [])
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +48,9 @@ def loaded():
 
 
 def config_for(which: str, **overrides) -> Config:
-    base = Config(random_init=ARCH, device=DEVICE, engine=which, rollout_batch_size=4, seed=0, lr=1e-4, engine_mem_fraction=0.4)
+    kind, _, sync = which.partition("-")
+    base = Config(random_init=ARCH, device=DEVICE, engine=kind, weight_sync=sync or "full", rollout_batch_size=4, seed=0, lr=1e-4,
+                  engine_mem_fraction=0.4)  # fmt: skip
     return msgspec.structs.replace(base, **overrides)
 
 

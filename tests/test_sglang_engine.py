@@ -696,3 +696,59 @@ async def test_a_consumer_that_leaves_aborts_its_request(fake_sglang):
         break
     await stream.aclose()
     assert len(tm.aborted) == 1 and engine.active == 0 and engine.queue_depth == 0
+
+
+# -- --weight-sync lora ----------------------------------------------------------------------
+
+
+def test_weight_sync_lora_needs_sglang_and_lora_training():
+    assert select.adapter_rank(Config(), "sglang") == 0  # full weights by default
+    assert select.adapter_rank(Config(weight_sync="lora", lora_rank=8), "sglang") == 8
+    with pytest.raises(ConfigError, match="needs the sglang engine"):
+        select.adapter_rank(Config(weight_sync="lora"), "hf")
+    for bad in (Config(weight_sync="lora", lora_rank=0), Config(weight_sync="lora", full_finetune=True)):
+        with pytest.raises(ConfigError, match="needs LoRA training"):
+            select.adapter_rank(bad, "sglang")
+
+
+async def test_build_engine_starts_sglang_with_adapters_only_for_lora_sync(monkeypatch):
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(select, "resolve", lambda config, device_type: "sglang")
+    started = []
+
+    async def start(loaded, config, *, lora_rank):
+        started.append(lora_rank)
+        return SimpleNamespace()
+
+    loaded = SimpleNamespace(model=torch.nn.Linear(2, 2))
+    await select.build_engine(Config(lora_rank=8), loaded, start_sglang=start)
+    await select.build_engine(Config(lora_rank=8, weight_sync="lora"), loaded, start_sglang=start)
+    assert started == [0, 8]
+
+
+async def test_the_trainer_publishes_its_adapter_to_an_engine_that_accepts_adapters(fake_sglang):
+    """--weight-sync lora: the trainer sends peft's adapter tensors (not merged weights); the
+    engine loads them as the next version's adapter and the base view stays the base."""
+    from peft import get_peft_model_state_dict
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from ocrl.train.trainer import ADAPTER, Trainer
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=V, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                         num_key_value_heads=2, intermediate_size=32)).eval()  # fmt: skip
+    engine, tm = make_engine(lora=True)
+    assert engine.accepts_adapters and not make_engine(lora=False)[0].accepts_adapters
+    trainer = Trainer(Config(lora_rank=4, lora_alpha=8, save_interval=0), model, engine=engine, yield_to=None)
+    with torch.no_grad():
+        for name, p in trainer.model.named_parameters():
+            if "lora_B" in name:
+                p.fill_(0.25)  # a trained adapter: B is no longer zero
+    published = trainer.published_weights()
+    expected = get_peft_model_state_dict(trainer.model, adapter_name=ADAPTER)
+    assert published.keys() == expected.keys() and all(".lora_A." in n or ".lora_B." in n for n in published)
+    assert all(torch.equal(published[n], expected[n]) for n in expected)
+    await engine.update_weights(published, version=1)
+    assert engine.adapter == "policy-v1" and tm.adapters["policy-v1"] == pytest.approx(0.25)
+    assert tm.calls[-1] == ("load_lora", "policy-v1", 8)

@@ -46,14 +46,30 @@ def resolve(config, device_type: str, *, sglang_check=sglang_problem) -> str:
     return "hf"
 
 
-async def build_engine(config, loaded):
+def adapter_rank(config, which: str) -> int:
+    """The LoRA rank the engine must accept adapters of (`--weight-sync lora`), else 0."""
+    from ocrl.config import ConfigError
+
+    if config.weight_sync != "lora":
+        return 0
+    if which != "sglang":
+        raise ConfigError("--weight-sync lora needs the sglang engine (the transformers engine takes merged weights)")
+    if config.lora_rank <= 0 or config.full_finetune:
+        raise ConfigError("--weight-sync lora needs LoRA training (--lora-rank > 0, no --full-finetune)")
+    return config.lora_rank
+
+
+async def build_engine(config, loaded, *, start_sglang=None):
     device_type = next(loaded.model.parameters()).device.type
     which = resolve(config, device_type)
-    log.info("engine: %s on %s", which, device_type)
+    rank = adapter_rank(config, which)
+    log.info("engine: %s on %s%s", which, device_type, f", LoRA weight sync (rank {rank})" if rank else "")
     if which == "sglang":
-        from ocrl.engine.sglang import SGLangEngine
+        if start_sglang is None:
+            from ocrl.engine.sglang import SGLangEngine
 
-        engine = await SGLangEngine.start(loaded, config)
+            start_sglang = SGLangEngine.start
+        engine = await start_sglang(loaded, config, lora_rank=rank)
         if config.random_init:
             # SGLang started from dummy weights: serve exactly the random model we hold (the
             # trainer starts from it too), as version 0.

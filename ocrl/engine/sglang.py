@@ -260,6 +260,11 @@ class SGLangEngine:
     def queue_depth(self) -> int:
         return self._waiting
 
+    @property
+    def accepts_adapters(self) -> bool:
+        """Started with LoRA: the trainer publishes its adapter, not merged weights."""
+        return self.lora_config is not None
+
     def base(self) -> "BaseWeights":
         """The same engine serving its base weights (no adapter): for a judge."""
         return BaseWeights(self)

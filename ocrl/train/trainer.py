@@ -441,11 +441,16 @@ class Trainer:
         """What the engine needs to serve the current policy, named as in the plain model.
 
         LoRA: only the adapted linear weights, merged (W + scale * B @ A) into new tensors; the
-        training model is left as it is. Full fine-tuning: every parameter (views, not copies:
-        the engine copies them while we hold the step lock).
+        training model is left as it is; to an engine that `accepts_adapters` (`--weight-sync
+        lora`), the adapter itself, named as peft saves it. Full fine-tuning: every parameter
+        (views, not copies: the engine copies them while we hold the step lock).
         """
         if not self.lora:
             return {name: p.detach() for name, p in self.model.named_parameters()}
+        if getattr(self.engine, "accepts_adapters", False):
+            from peft import get_peft_model_state_dict
+
+            return {name: t.detach().clone() for name, t in get_peft_model_state_dict(self.model, adapter_name=ADAPTER).items()}
         from peft.tuners.lora import LoraLayer
 
         merged = {}
