@@ -23,6 +23,14 @@ def find_stop(text: str, stops: tuple[str, ...], emitted_chars: int) -> int:
     return min(hits) if hits else -1
 
 
+def ready_end(text: str, stops: tuple[str, ...], emitted_chars: int) -> int:
+    """How far `text` may be emitted while the completion goes on: not into a multi-byte
+    character still incomplete, nor into what might become a stop string."""
+    if text.endswith("\ufffd"):
+        return emitted_chars
+    return len(text) - held_back(text, stops)
+
+
 def held_back(text: str, stops: tuple[str, ...]) -> int:
     """How many trailing chars might be the start of a stop string (and so must wait)."""
     hold = 0

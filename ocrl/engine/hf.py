@@ -25,7 +25,7 @@ from typing import AsyncIterator
 import anyio
 import torch
 
-from ocrl.engine.base import EngineBusy, EngineError, Final, collect, find_stop, held_back
+from ocrl.engine.base import EngineBusy, EngineError, Final, collect, find_stop, ready_end
 from ocrl.faults import crash_point
 from ocrl.types import Completion, FinishReason, SamplingParams, TokenChunk, TopLogprob
 
@@ -196,10 +196,8 @@ class HFEngine:
         elif len(request.response_ids) >= request.max_new:
             request.finish = "length"
             end = len(text)
-        elif text.endswith("\ufffd"):  # a multi-byte character not complete yet
-            end = request.emitted_chars
         else:
-            end = len(text) - held_back(text, stops)
+            end = ready_end(text, stops, request.emitted_chars)
         delta = text[request.emitted_chars : max(end, request.emitted_chars)]
         request.emitted_chars = max(end, request.emitted_chars)
         chunk_tops = [tops] if request.params.top_logprobs else []

@@ -46,7 +46,7 @@ from typing import AsyncIterator
 
 import anyio
 
-from ocrl.engine.base import EngineBusy, EngineError, Final, collect, find_stop, held_back
+from ocrl.engine.base import EngineBusy, EngineError, Final, collect, find_stop, ready_end
 from ocrl.types import Completion, SamplingParams, TokenChunk, TopLogprob
 
 log = logging.getLogger("ocrl.engine")
@@ -329,10 +329,8 @@ class SGLangEngine:
                         ids, logprobs, tops = ids[: len(ids) - drop], logprobs[: len(logprobs) - drop], tops[: len(tops) - drop]
                 elif finish is not None:
                     end = len(text)
-                elif text.endswith("\ufffd"):  # a multi-byte character not complete yet
-                    end = progress.emitted_chars
                 else:
-                    end = len(text) - held_back(text, stops)
+                    end = ready_end(text, stops, progress.emitted_chars)
                 delta = text[progress.emitted_chars : max(end, progress.emitted_chars)]
                 progress.emitted_chars = max(end, progress.emitted_chars)
                 if finish is None:
