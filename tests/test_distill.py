@@ -320,6 +320,15 @@ def test_a_topk_step_reports_a_nonnegative_distillation_kl_and_records_each_samp
     assert all(r["step"] == 1 and r["hint"] == "be brief" for r in rows)
 
 
+def test_the_reported_loss_of_a_topk_step_includes_the_distillation_term(base):
+    config = make_config(method="opd", distill_topk=4)
+    trainer = Trainer(config, base, engine=make_engine(base))
+    row = anyio.run(trainer.step, hinted(make_samples(base, 2)))
+    assert row["distilled"] == 1.0 and row["distill_kl"] > 0.0
+    policy_part = row["pg_loss"] + config.kl_coef * row["kl"] - config.entropy_coef * row["entropy"]
+    assert row["loss"] == pytest.approx(policy_part + row["distill_kl"], abs=1e-5)
+
+
 # -- end to end ---------------------------------------------------------------------------------
 
 

@@ -590,6 +590,7 @@ class Trainer:
                     distill_kl = masked_mean_per_sample_then_batch(kl, taught_mask)  # mean over distilled samples
                     loss = loss + w_distill * distill_kl * (n_taught / len(group))
                     by_sample["distill_kl"] += distill_kl.item() * n_taught
+            metrics["loss"] = loss.item()  # what was minimised, the top-K term included
             (loss * (len(group) / total)).backward()
 
             n = int(mask.sum())
