@@ -589,8 +589,9 @@ class Trainer:
                     kl = topk_reverse_kl(every, top_ids, top_logprobs, taught_mask)  # (B, R)
                     distill_kl = masked_mean_per_sample_then_batch(kl, taught_mask)  # mean over distilled samples
                     loss = loss + w_distill * distill_kl * (n_taught / len(group))
-                    by_sample["distill_kl"] += distill_kl.item() * n_taught
-            metrics["loss"] = loss.item()  # what was minimised, the top-K term included
+                    kl_value = distill_kl.item()
+                    by_sample["distill_kl"] += kl_value * n_taught
+                    metrics["loss"] += w_distill * kl_value * (n_taught / len(group))  # what was minimised
             (loss * (len(group) / total)).backward()
 
             n = int(mask.sum())
