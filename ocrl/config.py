@@ -67,11 +67,15 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     experience: Literal["off", "session", "cross-session", "posthoc"] = "off"  # earlier (posthoc: all) hints as the teacher's context
     experience_max: int = 8  # hints kept as experience (per session, or across sessions)
     rollout_batch_size: int = 16
+    # what fills a step's rollout_batch_size: trained = mask-1 samples only, the loss a mean over them;
+    # all = every sample the reference submits (mask 0 included, rl), the loss summed over those and
+    # divided by the whole count, as the reference does
+    batch_counts: Literal["trained", "all"] = "trained"
     lr: float = 1e-5
     weight_decay: float = 0.1
     grad_clip: float = 1.0
     eps_clip: float = 0.2
-    eps_clip_high: float = 0.28
+    eps_clip_high: float = -1.0  # < 0: by method, as the reference's scripts: 0.28 (rl, combine), eps_clip (opd)
     kl_coef: float = 0.02
     entropy_coef: float = 0.0
     old_logprobs: Literal["recompute", "rollout"] = "recompute"
@@ -84,6 +88,19 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     save_interval: int = 50
     resume: bool = False
     seed: int = 0
+
+    @property
+    def clip_high(self) -> float:
+        """eps_high of the clip: the flag, or by method (--method opd runs the reference's symmetric clip)."""
+        if self.eps_clip_high >= 0:
+            return self.eps_clip_high
+        return self.eps_clip if self.method == "opd" else 0.28
+
+    @property
+    def counts_untrained(self) -> bool:
+        """Mask-0 samples fill batches (--batch-counts all). The reference submits mask-0 samples with
+        rl only (its opd and combine drop a turn without a signal), so only rl counts them."""
+        return self.batch_counts == "all" and self.method == "rl"
 
 
 LEGACY_ENV = {"host": "HOST", "port": "PORT", "api_key": "SGLANG_API_KEY", "served_model_name": "SERVED_MODEL_NAME"}

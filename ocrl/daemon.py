@@ -253,9 +253,9 @@ class Daemon:
     def submit(self, sample) -> None:
         self.records.sample(sample)
         self.records.journal(sample)
-        if not sample.effective:
+        if not sample.effective and not (self.trainer is not None and self.config.counts_untrained):
             self.records.consumed([sample.sample_id])  # mask 0: excluded by rule, nothing to train
-        elif self.trainer is not None:
+        elif self.trainer is not None:  # --batch-counts all: a mask-0 sample fills its batch too
             self.samples_send.send_nowait(sample)
             self.queued += 1
 
@@ -270,6 +270,9 @@ class Daemon:
             log.info("journal: %d samples collected earlier and not yet trained on", len(backlog))
         if self.trainer is not None:
             for sample in backlog:
+                if not sample.effective and not self.config.counts_untrained:
+                    self.records.consumed([sample.sample_id])  # counted under --batch-counts all, not now
+                    continue
                 self.samples_send.send_nowait(sample)
                 self.queued += 1
 

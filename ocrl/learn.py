@@ -126,19 +126,29 @@ async def bench_learn(
 
 def _variant(config, spec: str):
     """A method spec: rl | opd | combine, then optionally `:user` or `:system` (where the teacher
-    sees the hint) and `:topk<K>` (--distill-topk K), e.g. `combine:system:topk16`."""
+    sees the hint), `:topk<K>` (--distill-topk K) and any config field as `:name=value`, e.g.
+    `combine:system:topk16`, `rl:batch_counts=all`, `opd:topk50:kl_coef=0:lr=1e-6`."""
     method, *options = spec.split(":")
     fields: dict = {"method": method}
     for option in options:
-        if option in ("user", "system"):
+        name, eq, value = option.partition("=")
+        if option in ("user", "system") and method != "rl":
             fields["hint_placement"] = option
-        elif option.startswith("topk") and option[4:].isdigit() and int(option[4:]) > 0:
+        elif option.startswith("topk") and option[4:].isdigit() and int(option[4:]) > 0 and method != "rl":
             fields["distill_topk"] = int(option[4:])
+        elif eq and name in type(config).__struct_fields__ and name not in ("method", "record_dir", "port"):
+            fields[name] = value
         else:
             method = ""  # not a spec
-    if method not in ("rl", "opd", "combine") or (options and method == "rl"):
-        raise SystemExit(f"ocrl: unknown method {spec!r}; choose from rl, opd, combine (opd and combine take :user, :system, :topk<K>)")
-    return msgspec.structs.replace(config, **fields)
+    if method not in ("rl", "opd", "combine"):
+        raise SystemExit(
+            f"ocrl: unknown method {spec!r}; choose from rl, opd, combine (opd and combine take :user, :system, :topk<K>; "
+            "any takes :field=value)"
+        )
+    try:
+        return msgspec.convert(msgspec.structs.asdict(config) | fields, type(config), strict=False)
+    except msgspec.ValidationError as e:
+        raise SystemExit(f"ocrl: method spec {spec!r}: {e}") from None
 
 
 def plot_methods(curves: dict[str, list[dict]], path: Path, title: str) -> None:

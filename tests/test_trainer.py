@@ -22,7 +22,7 @@ from ocrl.config import Config
 from ocrl.engine.hf import HFEngine
 from ocrl.events import Events
 from ocrl.records import Records
-from ocrl.train.trainer import METRIC_KEYS, Trainer, checkpoints, pack, sample_problem
+from ocrl.train.trainer import METRIC_KEYS, Trainer, _Pending, checkpoints, pack, sample_problem
 from ocrl.types import Progress, Sample, TrainStep, WeightsSwapped
 
 LORA_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -453,11 +453,13 @@ async def test_a_prefetch_gives_up_when_a_request_arrives(base):
 
     layers = trainer.model.base_model.model.model.layers
     hook = layers[0].register_forward_pre_hook(arrives)
-    assert trainer._prefetch(sample) == (None, None)  # abandoned at layer 1
+    entry = _Pending(sample)
+    trainer._prefetch(entry)
+    assert (entry.reference, entry.teacher, entry.prefetched) == (None, None, False)  # abandoned at layer 1
     hook.remove()
     busy = False
-    reference, teacher = trainer._prefetch(sample)
-    assert torch.equal(reference, expected) and teacher is None  # an rl sample has no teacher
+    trainer._prefetch(entry)
+    assert torch.equal(entry.reference, expected) and entry.teacher is None and entry.prefetched  # an rl sample has no teacher
     assert (trainer.response_logprobs([sample])[0] - expected).abs().max() == 0  # LoRA B = 0: adapters back on
     assert not trainer.model._adapters_disabled
 
@@ -566,3 +568,88 @@ def test_flash_attention_model_trains_with_sdpa_in_fp32(base):
     assert served.config._attn_implementation == "flash_attention_2"
     sample = make_samples(base, 1)[0]
     assert_close(trainer.response_logprobs([sample])[0], teacher_forced(base, sample), atol=1e-5, rtol=0)
+
+
+# -- reference fidelity: step accounting, KL 0, the opd clip -----------------------------------
+
+
+def _untrained(sample: Sample) -> Sample:
+    return msgspec.structs.replace(sample, sample_id=sample.sample_id + "-m0", loss_mask=[0] * sample.response_length, reward=0.0, score=0)
+
+
+@pytest.mark.parametrize("full_finetune", [False, True])
+async def test_batch_counts_all_divides_by_every_sample_drawn(base, tmp_path, full_finetune):
+    # The reference sums each sample's token mean and divides by the samples it drew (mask 0
+    # included, contributing 0). With 2 trained samples of 4 drawn that is half ocrl's mean over
+    # the trained ones: every gradient is exactly half, and nothing runs on the mask-0 samples.
+    trained = make_samples(base, 2)
+    drawn = [trained[0], _untrained(trained[0]), trained[1], _untrained(trained[1])]
+    counted = Trainer(make_config(batch_counts="all", full_finetune=full_finetune), base, engine=make_engine(base))
+    plain = Trainer(make_config(full_finetune=full_finetune), base, engine=make_engine(base))
+    half = counted.accumulate_gradients(trained, count=4)
+    whole = plain.accumulate_gradients(trained)
+    assert_close(half["loss"], whole["loss"] / 2, rtol=1e-5, atol=1e-7)
+    assert_close(half["pg_loss"], whole["pg_loss"] / 2, rtol=1e-5, atol=1e-7)
+    for (name, a), (_, b) in zip(plain.model.named_parameters(), counted.model.named_parameters()):
+        if a.requires_grad:
+            assert_close(b.grad, a.grad / 2, rtol=1e-4, atol=1e-8, msg=name)
+
+    records = Records(tmp_path / "run")
+    counted = Trainer(make_config(batch_counts="all", full_finetune=full_finetune), base, engine=make_engine(base), records=records)
+    forwards = []
+    hook = counted.model.register_forward_pre_hook(lambda module, args, kwargs: forwards.append(kwargs["input_ids"].shape[0]), with_kwargs=True)
+    row = await counted.step(drawn)
+    hook.remove()
+    assert (row["samples"], row["trained_samples"]) == (4.0, 2.0)
+    assert counted.consumed_samples == 4
+    assert sorted(c.id for c in records.consumed_rows() if c.step == 1) == sorted(s.sample_id for s in drawn)
+    assert sum(forwards[:-1]) <= 4  # policy + reference rows of the 2 trained samples; the last is the probe
+    # without --batch-counts all a mask-0 sample is no training sample at all
+    with pytest.raises(ValueError, match="no masked-in token"):
+        await plain.step(drawn)
+    # a batch of mask-0 samples only: consumed, no optimizer step
+    before = [p.detach().clone() for p in counted.params]
+    assert await counted.step([_untrained(s) for s in trained]) is None
+    assert counted.steps == 1 and counted.consumed_samples == 6
+    assert all(torch.equal(a, b) for a, b in zip(before, counted.params))
+
+
+@pytest.mark.parametrize("full_finetune", [False, True])
+async def test_kl_coef_zero_skips_the_reference_forward(base, full_finetune):
+    samples = make_samples(base, 4)
+    trainer = Trainer(make_config(kl_coef=0.0, full_finetune=full_finetune), base, engine=make_engine(base))
+    assert trainer.reference is None  # LoRA never has a copy; full fine-tuning keeps none it would never read
+    # LoRA: the reference is the model with adapters off; count forwards made with them off
+    calls = {"reference": 0, "policy": 0}
+    original = trainer._reference_mode
+    trainer._reference_mode = lambda: (calls.__setitem__("reference", calls["reference"] + 1), original())[1]
+    row = await trainer.step(samples)
+    assert calls["reference"] == 0
+    assert row["kl"] == 0.0 and row["prefetched"] == 1.0  # nothing was left for the step to prefetch
+    assert not trainer._needs_prefetch(samples[0])
+    # the policy-gradient term is the one a trainer with the KL on computes on the same weights
+    with_kl = Trainer(make_config(full_finetune=full_finetune), base, engine=make_engine(base))
+    assert_close(with_kl.accumulate_gradients(samples)["pg_loss"], row["pg_loss"], rtol=1e-5, atol=1e-6)
+
+
+def test_opd_clips_symmetrically_as_the_reference_unless_told():
+    assert Config().clip_high == 0.28
+    assert Config(method="combine").clip_high == 0.28
+    assert Config(method="opd").clip_high == 0.2  # slime: eps_clip_high defaults to eps_clip
+    assert Config(method="opd", eps_clip=0.1).clip_high == 0.1
+    assert Config(method="opd", eps_clip_high=0.28).clip_high == 0.28
+
+
+@pytest.mark.parametrize(("method", "batch_counts", "queued"), [("rl", "trained", False), ("rl", "all", True), ("opd", "all", False)])
+def test_the_daemon_queues_mask_0_samples_only_when_they_count(base, tmp_path, method, batch_counts, queued):
+    # --batch-counts all: a mask-0 sample goes to the trainer (it fills a step) instead of being
+    # consumed as excluded at once; the reference's opd submits no such sample, so opd never counts it.
+    from ocrl.daemon import Daemon
+
+    daemon = Daemon(make_config(method=method, batch_counts=batch_counts))
+    daemon.records, daemon.trainer, daemon.queued = Records(tmp_path / "run"), object(), 0
+    daemon.samples_send, receive = anyio.create_memory_object_stream[Sample](10)
+    sample = _untrained(make_samples(base, 1)[0])
+    daemon.submit(sample)
+    assert daemon.queued == int(queued)
+    assert [c.id for c in daemon.records.consumed_rows()] == ([] if queued else [sample.sample_id])

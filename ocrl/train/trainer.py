@@ -171,16 +171,18 @@ class _Pending:
     sample: Sample
     reference: torch.Tensor | None = None  # (R,)
     teacher: _Teacher | None = None
+    prefetched: bool = False  # everything the step would compute for it is here
 
 
-def sample_problem(sample: Sample) -> str | None:
-    """Why a sample cannot be trained on, or None if it can."""
+def sample_problem(sample: Sample, *, untrained_ok: bool = False) -> str | None:
+    """Why a sample cannot be trained on, or None if it can. `untrained_ok`: a mask-0 sample may
+    come too (--batch-counts all: it fills the batch and trains nothing)."""
     n = sample.response_length
     if n < 1 or n >= len(sample.tokens):
         return f"response_length {n} must be in [1, {len(sample.tokens)}) (a prompt token first)"
     if len(sample.loss_mask) != n or len(sample.rollout_logprobs) != n:
         return f"loss_mask/rollout_logprobs lengths {len(sample.loss_mask)}/{len(sample.rollout_logprobs)} != {n}"
-    if not sample.effective:
+    if not sample.effective and not untrained_ok:
         return "no masked-in token"
     return None
 
@@ -338,7 +340,9 @@ class Trainer:
         base.eval()  # no dropout: the policy we train must be the one the engine samples from
         if not self.lora:
             base.requires_grad_(True)
-            return base, copy.deepcopy(base).requires_grad_(False)
+            # the frozen copy serves the KL and the teacher; --kl-coef 0 with rl needs neither
+            needed = self.config.kl_coef != 0 or self.config.method != "rl"
+            return base, (copy.deepcopy(base).requires_grad_(False) if needed else None)
         from peft import LoraConfig, get_peft_model
 
         names = [name for name, _ in base.named_modules()]
@@ -522,7 +526,8 @@ class Trainer:
         return combined_advantages(micro.rewards, teacher, old, micro.loss_mask, distilled, w_rl=config.w_rl, w_opd=config.w_opd)
 
     def accumulate_gradients(
-        self, batch: list[Sample], references: list[torch.Tensor | None] | None = None, teachers: list[_Teacher | None] | None = None
+        self, batch: list[Sample], references: list[torch.Tensor | None] | None = None, teachers: list[_Teacher | None] | None = None,
+        *, count: int | None = None,
     ) -> dict[str, float]:
         """Backward the full-batch policy loss over micro-batches; returns its diagnostics.
 
@@ -532,13 +537,18 @@ class Trainer:
         micro-batch's loss by its share of the batch's samples makes the accumulated gradient
         equal to the one-big-batch gradient. The top-K distillation term is a mean over the
         distilled samples of a micro-batch, weighted by their share of the batch.
+
+        `count` (default len(batch)) is what the summed per-sample means are divided by: with
+        --batch-counts all, the whole batch the step drew, mask-0 samples included, as the
+        reference divides by its global batch size. With --kl-coef 0 no reference log-probs are
+        computed at all (the KL term would be multiplied by 0).
         """
         config = self.config
         distill = config.method != "rl"
         topk = distill and config.distill_topk > 0
         w_distill = config.w_opd if config.method == "combine" else 1.0
         self.optimizer.zero_grad(set_to_none=True)
-        total = len(batch)
+        total = count or len(batch)
         prefetched = {id(s): r for s, r in zip(batch, references or []) if r is not None}
         taught = {id(s): t for s, t in zip(batch, teachers or []) if t is not None}
         by_sample: dict[str, float] = defaultdict(float)  # sample-mean metrics, weighted sums
@@ -550,7 +560,7 @@ class Trainer:
             self._give_way()
             micro = _MicroBatch.of(group, self.device)
             mask = micro.loss_mask.bool()  # (B, R)
-            ref_logprobs = self._reference_rows(group, micro, prefetched)  # (B, R)
+            ref_logprobs = self._reference_rows(group, micro, prefetched) if config.kl_coef != 0 else None  # (B, R)
             if distill:
                 teacher, distilled, top_ids, top_logprobs = self._teacher_rows(group, micro, taught)
             self._give_way()
@@ -566,7 +576,7 @@ class Trainer:
                 micro.loss_mask,
                 ref_logprobs,
                 eps_clip=config.eps_clip,
-                eps_clip_high=config.eps_clip_high,
+                eps_clip_high=config.clip_high,
                 kl_coef=config.kl_coef,
                 entropy=entropy,
                 entropy_coef=config.entropy_coef,
@@ -618,14 +628,15 @@ class Trainer:
         return out
 
     def _train(
-        self, batch: list[Sample], references: list[torch.Tensor | None] | None = None, teachers: list[_Teacher | None] | None = None
+        self, batch: list[Sample], references: list[torch.Tensor | None] | None = None, teachers: list[_Teacher | None] | None = None,
+        count: int | None = None,
     ) -> tuple[dict[str, float], dict[str, torch.Tensor], torch.Tensor]:
         """The torch part of a step (a worker thread): gradients, clip, AdamW, merge, probe.
         Gives way to serving at its yield points; step_seconds excludes that wait."""
         started = time.perf_counter()
         self._give_way = give_way = _GiveWay(self.yield_to, self.config.train_yield_max)
         try:
-            metrics = self.accumulate_gradients(batch, references, teachers)
+            metrics = self.accumulate_gradients(batch, references, teachers, count=count)
             max_norm = self.config.grad_clip if self.config.grad_clip > 0 else math.inf
             metrics["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
             if math.isfinite(metrics["grad_norm"]):
@@ -642,18 +653,27 @@ class Trainer:
         metrics["step_seconds"] = time.perf_counter() - started - give_way.spent
         return metrics, tensors, probe_logprobs
 
-    def _prefetch(self, sample: Sample) -> tuple[torch.Tensor | None, _Teacher | None]:
-        """A pending sample's reference log-probs and, when it is distilled, its teacher's (a
-        worker thread); (None, None) when a request arrived meanwhile and the work was abandoned."""
+    def _needs_prefetch(self, sample: Sample) -> bool:
+        """Whether a step would run the reference for it: its KL term (unless --kl-coef 0) or
+        its teacher (a distilled sample, --method opd|combine); never for a mask-0 sample."""
+        if not sample.effective:
+            return False
+        return self.config.kl_coef != 0 or (sample.distilled and self.config.method != "rl")
+
+    def _prefetch(self, entry: _Pending) -> None:
+        """A pending sample's reference log-probs (unless --kl-coef 0) and, when it is distilled,
+        its teacher's (a worker thread); left as it was when a request arrived meanwhile and the
+        work was abandoned."""
+        sample = entry.sample
         self._give_way = self._preempt
         try:
-            reference = self.response_logprobs([sample], reference=True)[0]
+            reference = self.response_logprobs([sample], reference=True)[0] if self.config.kl_coef != 0 else None
             teacher = self.teacher_logprobs([sample])[0] if sample.distilled and self.config.method != "rl" else None
-            return reference, teacher
         except _Preempted:
-            return None, None
+            return
         finally:
             self._give_way = _proceed
+        entry.reference, entry.teacher, entry.prefetched = reference, teacher, True
 
     async def step(self, batch: list[Sample], references: list[torch.Tensor | None] | None = None) -> dict[str, float]:
         """One optimizer step on `batch`, then publish, verify, record. Returns the metrics row.
@@ -661,15 +681,26 @@ class Trainer:
         references = references if references is not None else [None] * len(batch)
         if len(references) != len(batch):
             raise ValueError(f"{len(references)} references for {len(batch)} samples")
-        return await self._step([_Pending(s, r) for s, r in zip(batch, references)])
+        return await self._step([_Pending(s, r, prefetched=r is not None) for s, r in zip(batch, references)])
 
-    async def _step(self, entries: list[_Pending]) -> dict[str, float]:
-        batch = [entry.sample for entry in entries]
-        for sample in batch:
-            if problem := sample_problem(sample):
+    async def _step(self, entries: list[_Pending]) -> dict[str, float] | None:
+        """One step on `entries`. With --batch-counts all (rl) mask-0 samples may be among them:
+        they count toward the batch and its divisor, but no forward runs on them; a batch of only
+        those is consumed without an optimizer step (None is returned)."""
+        drawn = [entry.sample for entry in entries]
+        counts_untrained = self.config.counts_untrained
+        for sample in drawn:
+            if problem := sample_problem(sample, untrained_ok=counts_untrained):
                 raise ValueError(f"sample {sample.sample_id}: {problem}")
-        if not batch:
+        if not drawn:
             raise ValueError("empty batch")
+        entries = [entry for entry in entries if entry.sample.effective]
+        batch = [entry.sample for entry in entries]
+        if not batch:
+            self.records.consumed([s.sample_id for s in drawn])
+            self.consumed_samples += len(drawn)
+            log.info("a batch of %d mask-0 samples: consumed without a step", len(drawn))
+            return None
         async with self._lock:
             # read under the lock: a prefetch in flight when the batch was taken has landed
             references = [entry.reference for entry in entries]
@@ -679,21 +710,23 @@ class Trainer:
                     raise ValueError(f"sample {sample.sample_id}: reference shape {tuple(reference.shape)}")
             # 1-3. micro-batched gradients, clip, AdamW; merged weights and our probe log-probs
             self.probe = _probe_sample(*split_prompt(batch[0]))
-            metrics, tensors, probe_logprobs = await anyio.to_thread.run_sync(self._train, batch, references, teachers)
+            metrics, tensors, probe_logprobs = await anyio.to_thread.run_sync(self._train, batch, references, teachers, len(drawn))
             crash_point("train_step")
             self.steps += 1
-            self.consumed_samples += len(batch)
+            self.consumed_samples += len(drawn)
             # 4-5. swap into the engine as the next version, and check it serves what we trained
             swap_seconds, verified, probe_diff = await self._publish(tensors, self.version + 1, probe_logprobs)
             # 6. record
-            response_tokens = sum(s.response_length for s in batch)
+            response_tokens = sum(s.response_length for s in drawn)
             metrics |= {
-                "reward_mean": sum(s.reward for s in batch) / len(batch),
+                "reward_mean": sum(s.reward for s in drawn) / len(drawn),
                 # the share of response tokens that are trained on (loss_mask 1)
-                "masked_fraction": sum(sum(s.loss_mask) for s in batch) / response_tokens,
+                "masked_fraction": sum(sum(s.loss_mask) for s in drawn) / response_tokens,
                 "tokens": float(sum(len(s.tokens) for s in batch)),
-                "samples": float(len(batch)),
-                "prefetched": sum(r is not None for r in references) / len(batch),
+                "samples": float(len(drawn)),
+                "trained_samples": float(len(batch)),
+                # the share of the trained samples whose reference work was done before the step
+                "prefetched": sum(e.prefetched or not self._needs_prefetch(e.sample) for e in entries) / len(batch),
                 "swap_seconds": swap_seconds,
                 "verified": float(verified),
                 "probe_diff": probe_diff,
@@ -701,7 +734,7 @@ class Trainer:
             self.last_metrics = metrics
             row = {"step": self.steps, "weights_version": self.version, **metrics}
             # consumed first: a reader that sees the metrics row sees the whole batch marked used
-            self.records.consumed([s.sample_id for s in batch], step=self.steps)
+            self.records.consumed([s.sample_id for s in drawn], step=self.steps)
             self.records.metric(row)
             if self.distilled_rows:
                 self.records.distill([{"step": self.steps, **r} for r in self.distilled_rows])
@@ -782,7 +815,7 @@ class Trainer:
             nonlocal closed
             async with samples:
                 async for sample in samples:
-                    if problem := sample_problem(sample):
+                    if problem := sample_problem(sample, untrained_ok=self.config.counts_untrained):
                         log.warning("dropping sample %s: %s", sample.sample_id, problem)
                         continue
                     self._pending.append(_Pending(sample))
@@ -794,7 +827,7 @@ class Trainer:
         async def prefetch() -> None:
             """Reference log-probs of pending samples, oldest first, while serving is idle."""
             while True:
-                entry = next((e for e in self._pending if e.reference is None), None)
+                entry = next((e for e in self._pending if not e.prefetched and self._needs_prefetch(e.sample)), None)
                 if entry is None or self._paused:
                     await self._arrived.wait()
                     self._arrived = anyio.Event()
@@ -803,8 +836,8 @@ class Trainer:
                     await anyio.sleep(PREFETCH_POLL)
                     continue
                 async with self._lock:  # never alongside a step's torch work
-                    if entry in self._pending and entry.reference is None:  # not taken by a step meanwhile
-                        entry.reference, entry.teacher = await anyio.to_thread.run_sync(self._prefetch, entry.sample)
+                    if entry in self._pending and not entry.prefetched:  # not taken by a step meanwhile
+                        await anyio.to_thread.run_sync(self._prefetch, entry)
 
         size = max(1, self.config.rollout_batch_size)
         try:
@@ -823,12 +856,12 @@ class Trainer:
                     del self._pending[:size]
                     try:
                         with anyio.CancelScope(shield=True):  # a step is atomic: train, swap, record
-                            await self._step(batch)
+                            stepped = await self._step(batch)
                     except Exception as e:  # the samples stay unconsumed in the journal
                         log.exception("training step failed")
                         self.events.log("error", f"training step failed: {type(e).__name__}: {e}")
                         continue
-                    if self.config.save_interval > 0 and self.steps % self.config.save_interval == 0:
+                    if stepped and self.config.save_interval > 0 and self.steps % self.config.save_interval == 0:
                         await self.save_checkpoint()
         finally:
             if self.steps > self._saved_step:
