@@ -394,7 +394,10 @@ class Api:
     @staticmethod
     def _usage(completion: Completion) -> dict:
         p, c = len(completion.prompt_ids), len(completion.response_ids)
-        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+        return {
+            "prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
+            "prompt_tokens_details": {"cached_tokens": completion.cached_tokens},
+        }  # fmt: skip
 
     async def _sse(self, body: ChatRequest, ticket, prompt_ids, tokens, tools_offered: bool):
         cid, created = "chatcmpl-" + uuid.uuid4().hex, int(time.time())
@@ -427,6 +430,7 @@ class Api:
                         completion = Completion(
                             prompt_ids=list(prompt_ids), response_ids=ids, logprobs=lps, text=so_far,
                             finish_reason=chunk.finish_reason, weights_version=chunk.weights_version, top_logprobs=tops,
+                            cached_tokens=chunk.cached_tokens,
                         )
         except (EngineError, TimeoutError) as e:
             self.sessions.abort(ticket)

@@ -40,6 +40,9 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_queued_requests: int = 256
     default_max_tokens: int = 512
     context_length: int = 0  # prompt + completion tokens; 0 = what the model was trained for
+    # HF engine: KV states of finished sequences kept for prompts that start with them (agent
+    # turns, shared system prompts); auto = 1/16 of RAM (GPU memory on CUDA), off, 2GiB, 32k tokens
+    prefix_cache: str = "auto"
     request_timeout: float = 600.0
     threads: int = 0  # torch CPU threads per call; 0 = half the cores (decode and training run at once)
     # sessions and samples

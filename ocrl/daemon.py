@@ -214,7 +214,7 @@ class Daemon:
                         random_init="" if config.prm_model else config.random_init,
                     )
                 )
-                self.judge_engine = HFEngine(judge_loaded, max_batch_size=config.max_batch_size)
+                self.judge_engine = HFEngine(judge_loaded, max_batch_size=config.max_batch_size, prefix_cache_budget=config.prefix_cache)
                 completer = EngineCompleter(self.judge_engine, judge_loaded.tokenizer)
             else:
                 completer = EngineCompleter(self.engine, loaded.tokenizer)
@@ -286,6 +286,7 @@ class Daemon:
                 "queue_depth": self.engine.queue_depth,
                 "active": self.engine.active,
                 "generated_tokens": self.engine.generated_tokens,
+                **({"prefix_cache": cache.stats()} if (cache := getattr(self.engine, "prefix_cache", None)) is not None else {}),
             },
             "memory": {"rss_mb": rss_mb()},
             "sessions": self.sessions.stats(),

@@ -52,6 +52,7 @@ class Completion(msgspec.Struct):
     finish_reason: FinishReason
     weights_version: int
     top_logprobs: list[list[TopLogprob]] = []
+    cached_tokens: int = 0  # prompt tokens the engine did not prefill (its prefix cache)
 
 
 class Message(msgspec.Struct, omit_defaults=True):

@@ -51,10 +51,12 @@ class EngineBusy(EngineError):
 
 
 class Final(TokenChunk, kw_only=True):
-    """The last chunk of a stream: carries the finish reason and the weights version."""
+    """The last chunk of a stream: carries the finish reason, the weights version and how many
+    prompt tokens came from a cache instead of a prefill."""
 
     finish_reason: FinishReason
     weights_version: int
+    cached_tokens: int = 0
 
 
 class Engine(Protocol):
@@ -91,5 +93,6 @@ async def collect(stream: AsyncIterator[TokenChunk], prompt_ids: list[int]) -> C
                 finish_reason=chunk.finish_reason,
                 weights_version=chunk.weights_version,
                 top_logprobs=tops,
+                cached_tokens=chunk.cached_tokens,
             )
     raise EngineError("generation ended without a final chunk")

@@ -9,6 +9,12 @@ Log-probs are taken from the raw logits (log_softmax in fp32, before temperature
 they equal a teacher-forced forward of the same tokens. Weight swaps wait for the batch in
 flight to finish: every completion comes from one weights version.
 
+Finished rows (prompt + response) go to the prefix cache (engine/prefix_cache.py); a new prompt
+that starts with a kept sequence prefills only the rest. Rows of one batch may then carry cached
+prefixes of different lengths: the cached part of each row is right-aligned before the batch's
+new tokens ([pad | cached | pad | new]), the attention mask hides both pads and each row's
+position ids continue from its own cached length. A swap clears the cache.
+
 This engine sees token ids; it decodes text only to honour stop strings.
 """
 
@@ -25,6 +31,7 @@ from typing import AsyncIterator
 import anyio
 import torch
 
+from ocrl.engine import prefix_cache
 from ocrl.engine.base import EngineBusy, EngineError, Final, collect, find_stop, ready_end
 from ocrl.faults import crash_point
 from ocrl.types import Completion, FinishReason, SamplingParams, TokenChunk, TopLogprob
@@ -45,12 +52,15 @@ class _Request:
     max_new: int
     response_ids: list[int] = field(default_factory=list)
     emitted_chars: int = 0
+    cached_tokens: int = 0  # prompt positions served from the prefix cache
     finish: FinishReason | None = None
     closed: bool = False  # the consumer went away
 
 
 class HFEngine:
-    def __init__(self, loaded, *, max_batch_size: int = 8, max_queued: int = 256, max_context: int = 0):
+    def __init__(
+        self, loaded, *, max_batch_size: int = 8, max_queued: int = 256, max_context: int = 0, prefix_cache_budget: str = "auto"
+    ):
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
         self.name = loaded.name
@@ -70,6 +80,7 @@ class HFEngine:
         self.generated_tokens = 0
         self.active = 0
         self._seed_source = random.Random()
+        self.prefix_cache = prefix_cache.PrefixCache(*prefix_cache.parse_budget(prefix_cache_budget, self.device))
 
     # -- public API -------------------------------------------------------------------------
 
@@ -114,6 +125,7 @@ class HFEngine:
         """Copies new weights in between batches; returns the seconds the swap took."""
         async with self._model_lock:
             started = time.perf_counter()
+            self.prefix_cache.clear()  # computed by the old weights (even if this copy fails halfway)
             await anyio.to_thread.run_sync(self._copy_weights, named_tensors)
             self.weights_version = version
             return time.perf_counter() - started
@@ -155,6 +167,9 @@ class HFEngine:
                 for request, (token, logprob, tops) in zip(live, picked):
                     self._advance(request, token, logprob, tops, version)
                 keep = [i for i, r in enumerate(live) if r.finish is None and not r.closed]
+                finished = [i for i, r in enumerate(live) if r.finish is not None]
+                if finished and self.prefix_cache.enabled:
+                    await anyio.to_thread.run_sync(self._keep_rows, state, live, finished, version)
                 if not keep:
                     return
                 await anyio.to_thread.run_sync(self._decode, state, [picked[i][0] for i in keep], keep, len(live))
@@ -176,7 +191,10 @@ class HFEngine:
     def _finish(self, request: _Request, version: int, text: str = "") -> None:
         self._send(
             request,
-            Final(token_ids=[], logprobs=[], text=text, finish_reason=request.finish, weights_version=version),
+            Final(
+                token_ids=[], logprobs=[], text=text, finish_reason=request.finish, weights_version=version,
+                cached_tokens=request.cached_tokens,
+            ),
         )
         request.send.close()
 
@@ -213,6 +231,7 @@ class HFEngine:
                     top_logprobs=chunk_tops,
                     finish_reason=request.finish,
                     weights_version=version,
+                    cached_tokens=request.cached_tokens,
                 ),
             )
             request.send.close()
@@ -223,15 +242,22 @@ class HFEngine:
     def _prefill(self, batch: list[_Request]) -> dict:
         from transformers import DynamicCache
 
-        width = max(len(r.prompt_ids) for r in batch)
-        ids = torch.full((len(batch), width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(batch), width), dtype=torch.long)
-        for row, request in enumerate(batch):
-            n = len(request.prompt_ids)
-            ids[row, width - n :] = torch.tensor(request.prompt_ids)
-            mask[row, width - n :] = 1
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        cache = DynamicCache()
+        # at least one prompt position is computed: its logits give the first token
+        hits = [self.prefix_cache.lookup(r.prompt_ids, self.weights_version, len(r.prompt_ids) - 1) for r in batch]
+        past = max(hit.length for hit in hits)
+        width = max(len(r.prompt_ids) - hit.length for r, hit in zip(batch, hits))
+        ids = torch.full((len(batch), width), self.pad_id, dtype=torch.long)  # (B, W) the new tokens
+        mask = torch.zeros((len(batch), past + width), dtype=torch.long)  # (B, P + W) cached + new
+        positions = torch.zeros((len(batch), width), dtype=torch.long)  # (B, W)
+        for row, (request, hit) in enumerate(zip(batch, hits)):
+            rest = request.prompt_ids[hit.length :]
+            n = len(rest)
+            request.cached_tokens = hit.length
+            ids[row, width - n :] = torch.tensor(rest)
+            mask[row, past - hit.length : past] = 1
+            mask[row, past + width - n :] = 1
+            positions[row, width - n :] = torch.arange(hit.length, hit.length + n)
+        cache = prefix_cache.batched(hits, past) if past else DynamicCache()
         out = self.model(
             input_ids=ids.to(self.device),
             attention_mask=mask.to(self.device),
@@ -241,6 +267,21 @@ class HFEngine:
             logits_to_keep=1,
         )
         return {"cache": cache, "mask": mask, "next_position": positions[:, -1] + 1, "logits": out.logits[:, -1]}
+
+    @torch.inference_mode()
+    def _keep_rows(self, state: dict, batch: list[_Request], rows: list[int], version: int) -> None:
+        """Hands finished rows to the prefix cache: every position the cache holds for them,
+        i.e. the prompt and all response tokens but the last (never fed back)."""
+        for row in rows:
+            request = batch[row]
+            ids = request.prompt_ids + request.response_ids[:-1]
+            columns = state["mask"][row].nonzero().squeeze(1)
+            if len(columns) != len(ids):  # the layout is not what this engine wrote: keep nothing
+                log.warning("prefix cache: row holds %d positions for %d tokens; not kept", len(columns), len(ids))
+                continue
+            layers = prefix_cache.row_of(state["cache"], row, columns)
+            if layers is not None:
+                self.prefix_cache.keep(ids, layers, version)
 
     @torch.inference_mode()
     def _decode(self, state: dict, tokens: list[int], keep: list[int], rows: int) -> None:

@@ -77,4 +77,7 @@ async def build_engine(config, loaded, *, start_sglang=None):
         return engine
     from ocrl.engine.hf import HFEngine
 
-    return HFEngine(loaded, max_batch_size=config.max_batch_size, max_queued=config.max_queued_requests, max_context=config.context_length)
+    return HFEngine(
+        loaded, max_batch_size=config.max_batch_size, max_queued=config.max_queued_requests, max_context=config.context_length,
+        prefix_cache_budget=config.prefix_cache,
+    )

@@ -1,0 +1,228 @@
+"""The prefix cache: its bookkeeping on hand-made tensors, then the HF engine with the cache
+against the same engine without it (same weights): same greedy tokens, same log-probs within
+1e-4, for multi-turn sessions, mixed batches, across a weight swap and for late arrivals."""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+import torch
+
+from ocrl.engine.prefix_cache import PrefixCache, parse_budget
+from ocrl.types import SamplingParams
+from tests.test_engine import tiny_engine
+
+torch.set_num_threads(1)
+
+
+def layers(n: int, fill: float = 1.0, n_layers: int = 2) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer (keys, values) of shape (H=2, T=n, D=4); position t holds fill + t."""
+    pos = torch.arange(n, dtype=torch.float32).view(1, n, 1).expand(2, n, 4)
+    return [(fill + pos.clone(), -(fill + pos.clone())) for _ in range(n_layers)]
+
+
+BYTES_PER_TOKEN = 2 * 2 * 2 * 4 * 4  # layers x (k, v) x H x D x fp32 = 128
+
+
+# -- the bookkeeping ------------------------------------------------------------------------
+
+
+def test_lookup_finds_the_longest_common_prefix_and_honours_the_limit():
+    cache = PrefixCache(max_bytes=1 << 20, max_tokens=1 << 20)
+    cache.keep([1, 2, 3, 4, 5], layers(5), version=0)
+    cache.keep([1, 2, 9, 9], layers(4, fill=100.0), version=0)
+    hit = cache.lookup([1, 2, 3, 4, 7, 8], version=0, limit=5)
+    assert hit.length == 4  # [1, 2, 3, 4] is shared with the first entry, only [1, 2] with the second
+    assert hit.layers[0][0].shape == (2, 4, 4)
+    torch.testing.assert_close(hit.layers[1][1][0, :, 0], -torch.tensor([1.0, 2.0, 3.0, 4.0]))
+    # the limit leaves at least the last prompt position to compute
+    assert cache.lookup([1, 2, 3, 4, 5], version=0, limit=4).length == 4
+    assert cache.lookup([1, 2, 9, 9, 9], version=0, limit=2).length == 2
+    assert cache.lookup([7, 1, 2], version=0, limit=2).length == 0
+
+
+def test_an_entry_is_served_only_to_the_version_that_computed_it():
+    cache = PrefixCache(max_bytes=1 << 20, max_tokens=1 << 20)
+    cache.keep([1, 2, 3], layers(3), version=4)
+    assert cache.lookup([1, 2, 3, 4], version=5, limit=3).length == 0
+    assert cache.lookup([1, 2, 3, 4], version=4, limit=3).length == 3
+    cache.clear()
+    assert cache.lookup([1, 2, 3, 4], version=4, limit=3).length == 0
+    assert cache.bytes == cache.tokens == len(cache) == 0
+
+
+def test_a_longer_turn_replaces_the_entry_it_extends():
+    cache = PrefixCache(max_bytes=1 << 20, max_tokens=1 << 20)
+    cache.keep([1, 2, 3], layers(3), version=0)
+    cache.keep([1, 2, 3, 4, 5], layers(5), version=0)  # the next turn of the same session
+    assert len(cache) == 1 and cache.tokens == 5
+    cache.keep([1, 2], layers(2), version=0)  # already covered: nothing new is kept
+    assert len(cache) == 1 and cache.tokens == 5 and cache.bytes == 5 * BYTES_PER_TOKEN
+
+
+def test_memory_bound_evicts_the_least_recently_used():
+    cache = PrefixCache(max_bytes=10 * BYTES_PER_TOKEN, max_tokens=1 << 20)
+    cache.keep([1, 1, 1, 1], layers(4), version=0)
+    cache.keep([2, 2, 2, 2], layers(4), version=0)
+    assert cache.lookup([1, 1, 1, 1, 9], version=0, limit=4).length == 4  # [1...] is now the most recent
+    cache.keep([3, 3, 3, 3], layers(4), version=0)  # 12 tokens > 10: the least recently used goes
+    assert cache.bytes == 8 * BYTES_PER_TOKEN and len(cache) == 2
+    assert cache.lookup([2, 2, 2, 2, 9], version=0, limit=4).length == 0
+    assert cache.lookup([1, 1, 1, 1, 9], version=0, limit=4).length == 4
+    cache.keep(list(range(11)), layers(11), version=0)  # over the whole budget: not kept
+    assert cache.bytes == 8 * BYTES_PER_TOKEN
+    by_tokens = PrefixCache(max_bytes=1 << 30, max_tokens=6)
+    by_tokens.keep([1, 1, 1, 1], layers(4), version=0)
+    by_tokens.keep([2, 2, 2, 2], layers(4), version=0)
+    assert by_tokens.tokens == 4 and by_tokens.lookup([1, 1, 1, 1, 1], 0, 4).length == 0
+
+
+def test_budget_flag():
+    assert parse_budget("0") == (0, 0) and parse_budget("off") == (0, 0)
+    assert parse_budget("2GiB")[0] == 2 << 30
+    assert parse_budget("512MB")[0] == 512 << 20
+    assert parse_budget("1000")[0] == 1000
+    assert parse_budget("32k tokens")[1] == 32 << 10
+    assert parse_budget("20000tok")[1] == 20000
+    auto_bytes, _ = parse_budget("auto")
+    assert 0 < auto_bytes < 1 << 42
+    with pytest.raises(ValueError, match="prefix-cache"):
+        parse_budget("lots")
+
+
+# -- the engine, with the cache against without it ---------------------------------------------
+
+
+def running(test):
+    """Runs the test with two engines of the same weights, with and without the cache."""
+
+    async def wrapper():
+        cached, plain = tiny_engine(prefix_cache_budget="auto"), tiny_engine(prefix_cache_budget="0")
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(cached.run)
+            tg.start_soon(plain.run)
+            with anyio.fail_after(120):
+                await test(cached, plain)
+            tg.cancel_scope.cancel()
+
+    wrapper.__name__ = test.__name__
+    return wrapper
+
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0)
+
+
+def assert_same(with_cache, without):
+    assert with_cache.response_ids == without.response_ids
+    torch.testing.assert_close(torch.tensor(with_cache.logprobs), torch.tensor(without.logprobs), atol=1e-4, rtol=0)
+    assert with_cache.weights_version == without.weights_version
+
+
+async def both(cached, plain, prompt, params=GREEDY):
+    return await cached.generate(prompt, params), await plain.generate(prompt, params)
+
+
+@running
+async def test_a_session_prefills_only_its_new_tokens_and_samples_the_same(cached, plain):
+    prompt = [1, 5, 6, 7, 8, 9, 10]
+    for turn in range(4):
+        with_cache, without = await both(cached, plain, prompt)
+        assert_same(with_cache, without)
+        # turn k+1 starts with turn k's prompt and response; all but the last response token
+        # (never fed back) were kept
+        assert with_cache.cached_tokens == (0 if turn == 0 else expected)
+        assert without.cached_tokens == 0
+        expected = len(prompt) + len(with_cache.response_ids) - 1
+        prompt = prompt + with_cache.response_ids + [3, 4, 11 + turn]
+    # sampled at temperature 1 with a seed: the same draws too
+    params = SamplingParams(max_tokens=8, temperature=1.0, seed=7)
+    with_cache, without = await both(cached, plain, prompt, params)
+    assert with_cache.cached_tokens > 0
+    assert_same(with_cache, without)
+    forced = await cached.score(prompt, with_cache.response_ids)
+    torch.testing.assert_close(torch.tensor(with_cache.logprobs), torch.tensor(forced), atol=1e-4, rtol=0)
+
+
+@running
+async def test_one_batch_mixes_rows_with_different_cached_lengths(cached, plain):
+    system = [1, 30, 31, 32, 33, 34, 35, 36, 37, 38]
+    first, _ = await both(cached, plain, system + [40, 41])
+    turn2 = system + [40, 41] + first.response_ids + [42]  # a long hit
+    other = system + [50, 51, 52]  # shares only the system prompt with the kept sequence
+    fresh = [2, 60, 61]  # a miss
+    prompts = [turn2, other, fresh, system + [40]]
+    results: dict = {}
+
+    async def run(engine, i):
+        results[engine, i] = await engine.generate(prompts[i], GREEDY)
+
+    for engine in (cached, plain):  # all four in one batch
+        async with anyio.create_task_group() as tg:
+            for i in range(len(prompts)):
+                tg.start_soon(run, engine, i)
+    for i in range(len(prompts)):
+        assert_same(results[cached, i], results[plain, i])
+    # the last prompt is all kept, but its last position is computed again for its logits
+    hits = [len(system) + 2 + len(first.response_ids) - 1, len(system), 0, len(system)]
+    assert [results[cached, i].cached_tokens for i in range(4)] == hits
+
+
+@running
+async def test_a_swap_invalidates_every_entry_and_the_turn_records_its_version(cached, plain):
+    prompt = [1, 5, 6, 7, 8, 9, 10]
+    first, _ = await both(cached, plain, prompt)
+    assert len(cached.prefix_cache) == 1
+    new = {name: p.detach() + 0.05 for name, p in cached.model.named_parameters()}
+    await cached.update_weights(new, version=1)
+    await plain.update_weights(new, version=1)
+    assert len(cached.prefix_cache) == 0
+    prompt = prompt + first.response_ids + [3, 4]
+    with_cache, without = await both(cached, plain, prompt)
+    assert with_cache.cached_tokens == 0  # computed by version 0: never reused by version 1
+    assert_same(with_cache, without)
+    assert with_cache.weights_version == 1
+    prompt = prompt + with_cache.response_ids + [5]
+    with_cache, without = await both(cached, plain, prompt)
+    assert with_cache.cached_tokens > 0  # version 1's own entry
+    assert_same(with_cache, without)
+
+
+@running
+async def test_a_request_arriving_while_a_batch_runs_reuses_the_cache(cached, plain):
+    prompt = [1, 5, 6, 7, 8, 9, 10]
+    first, _ = await both(cached, plain, prompt)
+    follow_up = prompt + first.response_ids + [3, 4]
+    long = SamplingParams(max_tokens=60, temperature=1.0, seed=3)
+    results = {}
+
+    async def late(engine):
+        while not engine.active:
+            await anyio.sleep(0.001)
+        results[engine] = await engine.generate(follow_up, GREEDY)
+
+    for engine in (cached, plain):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(engine.generate, [1, 20, 21], long)
+            tg.start_soon(late, engine)
+    assert results[cached].cached_tokens == len(prompt) + len(first.response_ids) - 1
+    assert_same(results[cached], results[plain])
+
+
+# -- end to end -------------------------------------------------------------------------------
+
+
+async def test_the_next_turn_reports_its_cached_prompt_tokens(daemon):
+    """The real daemon and client: turn 2 of a conversation re-sends turn 1, and the usage says
+    how much of it the engine did not prefill again (OpenAI's prompt_tokens_details)."""
+    messages = [
+        {"role": "system", "content": "You are a terse assistant for a lighthouse keeper named Ilse."},
+        {"role": "user", "content": "Which lamp oil burns longest?"},
+    ]
+    async with daemon.client() as client:
+        first = await client.chat.completions.create(model="m", messages=messages, temperature=0, max_tokens=12)
+        messages += [{"role": "assistant", "content": first.choices[0].message.content}, {"role": "user", "content": "And the cheapest?"}]
+        second = await client.chat.completions.create(model="m", messages=messages, temperature=0, max_tokens=12)
+    assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens
+    assert second.usage.prompt_tokens_details.cached_tokens < second.usage.prompt_tokens
+    stats = daemon.stats()["engine"]["prefix_cache"]
+    assert stats["hits"] >= 1 and 0 < stats["bytes"] <= stats["max_bytes"]
