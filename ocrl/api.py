@@ -15,7 +15,8 @@ import logging
 import re
 import time
 import uuid
-from typing import Annotated, Any, Literal
+from dataclasses import dataclass
+from typing import Annotated, Any, AsyncIterator, Literal
 
 import anyio
 import msgspec
@@ -25,8 +26,10 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from ocrl import chat
-from ocrl.engine.base import EngineBusy, EngineError, Final
-from ocrl.types import Completion, SamplingParams, TokenChunk
+from ocrl.access_log import RequestLog, note
+from ocrl.engine.base import EngineBusy, EngineError
+from ocrl.streams import Accumulator, merged
+from ocrl.types import Completion, Message, SamplingParams, TokenChunk
 
 log = logging.getLogger("ocrl.api")
 
@@ -137,6 +140,19 @@ def _header_bool(value: str | None) -> bool | None:
     return value.strip().lower() in ("1", "true", "yes", "on")
 
 
+@dataclass
+class Prepared:
+    """A request made ready to generate: its prompt, one sampling setup per choice, and the
+    sessions' ticket its turn is kept under."""
+
+    messages: list[Message]
+    tools: list[dict] | None
+    prompt_ids: list[int]
+    params: list[SamplingParams]
+    ticket: Any
+    scope: dict
+
+
 class Api:
     """Builds the Starlette app around an engine, a tokenizer and the sessions."""
 
@@ -155,6 +171,7 @@ class Api:
             routes=[
                 Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
                 Route("/v1/models", self.models, methods=["GET"]),
+                Route("/v1/models/{model_id:path}", self.model, methods=["GET"]),
                 Route("/healthz", self.healthz, methods=["GET"]),
                 Route("/v1/ocrl/stats", self.ocrl_stats, methods=["GET"]),
                 Route("/v1/ocrl/events", self.ocrl_events, methods=["GET"]),
@@ -165,8 +182,12 @@ class Api:
             ],
             exception_handlers={404: self._not_found, 405: self._not_allowed},
         )
+        self.request_log = RequestLog(self._authorised)
 
     async def __call__(self, scope, receive, send):
+        await self.request_log(scope, receive, send)
+
+    async def _authorised(self, scope, receive, send):
         if scope["type"] == "http" and self.config.api_key and scope["path"] != "/healthz":
             auth = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
             token = auth[7:] if auth.lower().startswith("bearer ") else ""
@@ -187,9 +208,17 @@ class Api:
     async def healthz(self, request: Request) -> Response:
         return json_response({"status": "ok", "model": self.served_name, "weights_version": self.engine.weights_version})
 
+    def _model_card(self) -> dict:
+        return {"id": self.served_name, "object": "model", "created": int(self.started), "owned_by": "ocrl"}
+
     async def models(self, request: Request) -> Response:
-        model = {"id": self.served_name, "object": "model", "created": int(self.started), "owned_by": "ocrl"}
-        return json_response({"object": "list", "data": [model]})
+        return json_response({"object": "list", "data": [self._model_card()]})
+
+    async def model(self, request: Request) -> Response:
+        model_id = request.path_params["model_id"]
+        if model_id != self.served_name:
+            return error_response(ApiError(404, f"the model {model_id!r} does not exist; this server serves {self.served_name!r}", param="model", code="model_not_found"))
+        return json_response(self._model_card())
 
     async def ocrl_stats(self, request: Request) -> Response:
         return json_response(self.stats())
@@ -271,26 +300,31 @@ class Api:
         return bytes(body)
 
     async def _chat_completions(self, http: Request) -> Response:
-        # 1. receive: validate, separate the session fields from what the model sees
         body = decode_request(await self._read_body(http))
+        prepared = self.prepare(body, http)
+        if body.stream:
+            return StreamingResponse(
+                self._sse(body, prepared), media_type="text/event-stream",
+                headers={"X-Session-Id": prepared.ticket.session_id, "Cache-Control": "no-cache"},
+            )
+        completions = await self.generate(prepared)
+        turns = self.keep(prepared, completions)
+        return json_response(self._response(body, completions, turns, prepared.tools is not None), headers={"X-Session-Id": prepared.ticket.session_id})
+
+    # -- the pipeline every generating route shares ----------------------------------------
+
+    def prepare(self, body: ChatRequest, http: Request) -> Prepared:
+        """1. receive: validate, separate the session fields from what the model sees, render
+        the prompt, open the turn with the sessions."""
         if len(body.messages) > self.config.max_messages:
             raise ApiError(400, f"at most {self.config.max_messages} messages", param="messages")
-        raw_messages = [msgspec.to_builtins(m) for m in body.messages]
-        messages = chat.normalise(raw_messages)
+        messages = chat.normalise([msgspec.to_builtins(m) for m in body.messages])
         tools = body.tools or None
         try:
             prompt_ids = chat.prompt_ids(self.tokenizer, messages, tools)
         except Exception as e:
             raise ApiError(400, f"cannot apply the chat template to these messages: {e}", param="messages") from None
-        room = self.engine.max_context - len(prompt_ids)
-        if room < 1:
-            raise ApiError(
-                400,
-                f"prompt is {len(prompt_ids)} tokens; the context is {self.engine.max_context}",
-                param="messages",
-                code="context_length_exceeded",
-            )
-        params = self._sampling(body, room)
+        params = self._sampling(body, self._room(prompt_ids, "messages"))
         headers = http.headers
         turn_type = headers.get("x-turn-type") or body.turn_type
         if turn_type not in (None, "main", "side"):
@@ -302,26 +336,64 @@ class Api:
             messages=messages,
             tools=tools,
         )
-        # 2. generate
-        tokens = self.engine.stream(prompt_ids, params)
-        if body.stream:
-            return StreamingResponse(
-                self._sse(body, ticket, prompt_ids, tokens, tools is not None),
-                media_type="text/event-stream",
-                headers={"X-Session-Id": ticket.session_id, "Cache-Control": "no-cache"},
+        note(http.scope, session=ticket.session_id, n=body.n if body.n > 1 else None)
+        choices = [params] if body.n == 1 else [msgspec.structs.replace(params, seed=None if params.seed is None else params.seed + k) for k in range(body.n)]
+        return Prepared(messages, tools, prompt_ids, choices, ticket, http.scope)
+
+    def _room(self, prompt_ids: list[int], param: str) -> int:
+        room = self.engine.max_context - len(prompt_ids)
+        if room < 1:
+            raise ApiError(
+                400, f"prompt is {len(prompt_ids)} tokens; the context is {self.engine.max_context}", param=param, code="context_length_exceeded",
             )
+        return room
+
+    def streams(self, prepared: Prepared) -> list[AsyncIterator[TokenChunk]]:
+        """2. generate: one engine stream per choice."""
+        return [self.engine.stream(prepared.prompt_ids, params) for params in prepared.params]
+
+    async def generate(self, prepared: Prepared) -> list[Completion]:
+        """2. generate, consumed (the non-streaming answer). On any failure the turn is dropped."""
+        choices = [Accumulator(prepared.prompt_ids) for _ in prepared.params]
         try:
             with anyio.fail_after(self.config.request_timeout):
-                completion = await self._collect(tokens, prompt_ids)
+                async for k, chunk in merged(self.streams(prepared)):
+                    choices[k].add(chunk)
+            if any(c.completion is None for c in choices):
+                raise EngineError("generation ended without a final chunk")
         except TimeoutError:
-            self.sessions.abort(ticket)
+            self.sessions.abort(prepared.ticket)
             raise ApiError(504, f"generation took longer than {self.config.request_timeout}s", "timeout") from None
+        except EngineBusy as e:
+            self.sessions.abort(prepared.ticket)
+            raise ApiError(429, f"server busy: {e}", "rate_limit_error", headers={"Retry-After": "1"}) from None
+        except EngineError as e:
+            self.sessions.abort(prepared.ticket)
+            raise ApiError(500, f"generation failed: {e}", "server_error") from None
         except BaseException:
-            self.sessions.abort(ticket)
+            self.sessions.abort(prepared.ticket)
             raise
-        # 3. keep the turn
-        turn = self.sessions.complete(ticket, completion)
-        return json_response(self._response(body, completion, turn, tools is not None), headers={"X-Session-Id": ticket.session_id})
+        return [c.completion for c in choices]
+
+    def keep(self, prepared: Prepared, completions: list[Completion]) -> list:
+        """3. keep the turn (n > 1: the group of candidates) with the sessions."""
+        if len(completions) == 1:
+            turns = [self.sessions.complete(prepared.ticket, completions[0])]
+        else:
+            turns = self.sessions.complete_group(prepared.ticket, completions)
+        first = turns[0]
+        note(
+            prepared.scope, turn=f"main#{first.index}" if first.turn_type == "main" else "side",
+            prompt=len(prepared.prompt_ids), completion=sum(len(c.response_ids) for c in completions),
+        )
+        return turns
+
+    @staticmethod
+    def stream_error(scope: dict, e: BaseException) -> bytes:
+        """The SSE event a stream sends when generation fails after its 200 went out."""
+        kind = "rate_limit_error" if isinstance(e, EngineBusy) else ("timeout" if isinstance(e, TimeoutError) else "server_error")
+        note(scope, error=kind)
+        return b"data: " + _encoder.encode({"error": {"message": str(e) or "generation timed out", "type": kind, "param": None, "code": None}}) + b"\n\n"
 
     def _sampling(self, body: ChatRequest, room: int) -> SamplingParams:
         wanted = body.max_completion_tokens or body.max_tokens or self.config.default_max_tokens
@@ -336,16 +408,6 @@ class Api:
             seed=body.seed,
             top_logprobs=(body.top_logprobs or 0) if body.logprobs else 0,
         )
-
-    async def _collect(self, tokens, prompt_ids) -> Completion:
-        from ocrl.engine.base import collect
-
-        try:
-            return await collect(tokens, prompt_ids)
-        except EngineBusy as e:
-            raise ApiError(429, f"server busy: {e}", "rate_limit_error", headers={"Retry-After": "1"}) from None
-        except EngineError as e:
-            raise ApiError(500, f"generation failed: {e}", "server_error") from None
 
     # -- response shapes --------------------------------------------------------------------
 
@@ -370,89 +432,88 @@ class Api:
             "completion_token_ids": completion.response_ids,
         }
 
-    def _response(self, body: ChatRequest, completion: Completion, turn, tools_offered: bool) -> dict:
-        content, tool_calls, reasoning = chat.parse_completion(completion.text, tools_offered)
-        message: dict = {"role": "assistant", "content": content}
-        if tool_calls:
-            message["tool_calls"] = tool_calls
-        if reasoning:
-            message["reasoning_content"] = reasoning
-        finish = "tool_calls" if tool_calls else completion.finish_reason
-        choice = {"index": 0, "message": message, "finish_reason": finish, "logprobs": None}
-        if body.logprobs:
-            choice["logprobs"] = {"content": self._logprobs(completion.response_ids, completion.logprobs, completion.top_logprobs)}
+    def _response(self, body: ChatRequest, completions: list[Completion], turns: list, tools_offered: bool) -> dict:
+        choices = []
+        for k, completion in enumerate(completions):
+            content, tool_calls, reasoning = chat.parse_completion(completion.text, tools_offered)
+            message: dict = {"role": "assistant", "content": content}
+            if tool_calls:
+                message["tool_calls"] = tool_calls
+            if reasoning:
+                message["reasoning_content"] = reasoning
+            finish = "tool_calls" if tool_calls else completion.finish_reason
+            choice = {"index": k, "message": message, "finish_reason": finish, "logprobs": None}
+            if body.logprobs:
+                choice["logprobs"] = {"content": self._logprobs(completion.response_ids, completion.logprobs, completion.top_logprobs)}
+            if len(completions) > 1:
+                choice["ocrl"] = self._ocrl_fields(turns[k], completion)
+            choices.append(choice)
         return {
             "id": "chatcmpl-" + uuid.uuid4().hex,
             "object": "chat.completion",
             "created": int(time.time()),
             "model": self.served_name,
-            "choices": [choice],
-            "usage": self._usage(completion),
-            "ocrl": self._ocrl_fields(turn, completion),
+            "choices": choices,
+            "usage": self._usage(completions),
+            "ocrl": self._ocrl_fields(turns[0], completions[0]),
         }
 
     @staticmethod
-    def _usage(completion: Completion) -> dict:
-        p, c = len(completion.prompt_ids), len(completion.response_ids)
+    def _usage(completions: list[Completion]) -> dict:
+        p, c = len(completions[0].prompt_ids), sum(len(completion.response_ids) for completion in completions)
         return {
             "prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
-            "prompt_tokens_details": {"cached_tokens": completion.cached_tokens},
+            "prompt_tokens_details": {"cached_tokens": completions[0].cached_tokens},
         }  # fmt: skip
 
-    async def _sse(self, body: ChatRequest, ticket, prompt_ids, tokens, tools_offered: bool):
+    async def _sse(self, body: ChatRequest, prepared: Prepared):
         cid, created = "chatcmpl-" + uuid.uuid4().hex, int(time.time())
+        tools_offered = prepared.tools is not None
 
-        def event(delta: dict, finish=None, logprobs=None, **extra) -> bytes:
-            choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
+        def event(k: int, delta: dict, finish=None, logprobs=None, **extra) -> bytes:
+            choice = {"index": k, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
             chunk = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": self.served_name, "choices": [choice], **extra}
             return b"data: " + _encoder.encode(chunk) + b"\n\n"
 
-        yield event({"role": "assistant", "content": ""})
-        ids, lps, tops, text = [], [], [], []
-        sent = 0  # chars of content already streamed
-        completion = None
+        choices = [Accumulator(prepared.prompt_ids) for _ in prepared.params]
+        for k in range(len(choices)):
+            yield event(k, {"role": "assistant", "content": ""})
         try:
             with anyio.fail_after(self.config.request_timeout):
-                async for chunk in tokens:
-                    ids += chunk.token_ids
-                    lps += chunk.logprobs
-                    tops += chunk.top_logprobs
-                    text.append(chunk.text)
-                    so_far = "".join(text)
+                async for k, chunk in merged(self.streams(prepared)):
+                    choice = choices[k]
+                    choice.add(chunk)
+                    so_far = choice.text
                     # With tools offered, content stops where a <tool_call> block may begin.
                     safe = self._streamable(so_far, tools_offered)
-                    if safe > sent or chunk.token_ids:
-                        logprobs = {"content": self._logprobs(chunk.token_ids, chunk.logprobs, chunk.top_logprobs)} if body.logprobs else None
-                        if safe > sent or logprobs:
-                            yield event({"content": so_far[sent:safe]}, logprobs=logprobs)
-                        sent = max(sent, safe)
-                    if isinstance(chunk, Final):
-                        completion = Completion(
-                            prompt_ids=list(prompt_ids), response_ids=ids, logprobs=lps, text=so_far,
-                            finish_reason=chunk.finish_reason, weights_version=chunk.weights_version, top_logprobs=tops,
-                            cached_tokens=chunk.cached_tokens,
-                        )
+                    logprobs = {"content": self._logprobs(chunk.token_ids, chunk.logprobs, chunk.top_logprobs)} if body.logprobs and chunk.token_ids else None
+                    if safe > choice.sent or logprobs:
+                        yield event(k, {"content": so_far[choice.sent : max(safe, choice.sent)]}, logprobs=logprobs)
+                    choice.sent = max(choice.sent, safe)
+            if any(c.completion is None for c in choices):
+                raise EngineError("generation ended without a final chunk")
         except (EngineError, TimeoutError) as e:
-            self.sessions.abort(ticket)
-            kind = "rate_limit_error" if isinstance(e, EngineBusy) else ("timeout" if isinstance(e, TimeoutError) else "server_error")
-            yield b"data: " + _encoder.encode({"error": {"message": str(e) or "generation timed out", "type": kind, "param": None, "code": None}}) + b"\n\n"
+            self.sessions.abort(prepared.ticket)
+            yield self.stream_error(prepared.scope, e)
             yield b"data: [DONE]\n\n"
             return
         except BaseException:
-            self.sessions.abort(ticket)  # the client went away: no turn to keep
+            self.sessions.abort(prepared.ticket)  # the client went away: no turn to keep
             raise
-        turn = self.sessions.complete(ticket, completion)
-        content, tool_calls, _ = chat.parse_completion(completion.text, tools_offered)
-        finish = completion.finish_reason
-        if tool_calls:
-            finish = "tool_calls"
-            deltas = [{"index": i, **call} for i, call in enumerate(tool_calls)]
-            yield event({"tool_calls": deltas})
-        elif sent < len(completion.text):
-            yield event({"content": completion.text[sent:]})
-        yield event({}, finish=finish, ocrl=self._ocrl_fields(turn, completion))
+        completions = [c.completion for c in choices]
+        turns = self.keep(prepared, completions)
+        for k, (choice, completion) in enumerate(zip(choices, completions)):
+            content, tool_calls, _ = chat.parse_completion(completion.text, tools_offered)
+            finish = completion.finish_reason
+            if tool_calls:
+                finish = "tool_calls"
+                deltas = [{"index": i, **call} for i, call in enumerate(tool_calls)]
+                yield event(k, {"tool_calls": deltas})
+            elif choice.sent < len(completion.text):
+                yield event(k, {"content": completion.text[choice.sent :]})
+            yield event(k, {}, finish=finish, ocrl=self._ocrl_fields(turns[k], completion))
         if body.stream_options and body.stream_options.include_usage:
-            usage = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": self.served_name, "choices": [], "usage": self._usage(completion)}
+            usage = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": self.served_name, "choices": [], "usage": self._usage(completions)}
             yield b"data: " + _encoder.encode(usage) + b"\n\n"
         yield b"data: [DONE]\n\n"
 

@@ -289,6 +289,7 @@ class Daemon:
                 **({"prefix_cache": cache.stats()} if (cache := getattr(self.engine, "prefix_cache", None)) is not None else {}),
             },
             "memory": {"rss_mb": rss_mb()},
+            "requests": self.api.request_log.stats(),
             "sessions": self.sessions.stats(),
             "samples": {
                 "queued": self.samples_send.statistics().current_buffer_used,

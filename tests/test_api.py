@@ -105,7 +105,12 @@ async def test_logprobs_equal_teacher_forced_forward(daemon, embedded):
 async def test_models_and_health(daemon):
     async with daemon.client() as client:
         models = await client.models.list()
+        one = await client.models.retrieve("SmolLM2-135M-Instruct")
+        with pytest.raises(openai.NotFoundError) as unknown:
+            await client.models.retrieve("gpt-unknown")
     assert [m.id for m in models.data] == ["SmolLM2-135M-Instruct"]
+    assert (one.id, one.object, one.owned_by) == ("SmolLM2-135M-Instruct", "model", "ocrl")
+    assert unknown.value.body["code"] == "model_not_found" and unknown.value.body["param"] == "model"
     health = httpx.get(daemon.url + "/healthz")  # no key needed
     assert health.status_code == 200 and health.json()["status"] == "ok"
 

@@ -4,6 +4,7 @@ keys reach the source; the remote source against a small SSE server on a free po
 from __future__ import annotations
 
 import contextlib
+import io
 import functools
 import logging
 import socket
@@ -14,6 +15,7 @@ import time
 import anyio
 import msgspec
 import pytest
+from rich.console import Console
 
 from ocrl.events import Events
 from ocrl.types import (
@@ -28,6 +30,7 @@ from tui.loss_plot import LossPlot
 from tui.messages import EventArrived, SnapshotTaken
 from tui.plot import Plot
 from tui.progress_panel import ProgressPanel, TaskProgress
+from tui.requests_panel import RequestsPanel
 from tui.reward_plot import RewardPlot
 from tui.sample_screen import SampleScreen
 from tui.samples_table import MASKED_STYLE, PROMOTED_STYLE, SamplesTable
@@ -85,6 +88,7 @@ SNAPSHOT = {
         "samples_mask1": 2, "samples_mask0": 2, "samples_promoted": 1,
     },  # fmt: skip
     "samples": {"queued": 0, "journal_backlog_at_start": 0},
+    "requests": {"total": 20, "by_status": {"200": 14, "400": 4, "401": 2}, "refused": {"invalid_api_key": 2, "context_length_exceeded": 3, "invalid_request_error": 1}, "refused_total": 6},
     "training": {"enabled": True, "method": "combine", "paused": False, "steps": 2, "pending": 1, "batch_size": 2, "consumed_samples": 4, "last": {}},
 }
 
@@ -177,6 +181,13 @@ async def test_widgets_show_the_scripted_events():
         assert (engine.state.model, engine.state.weights_version, engine.state.queue_depth, engine.state.active) == ("tiny-test-model", 2, 3, 2)
         assert engine.state.turns == 1 and engine.state.method == "combine"
         assert engine.last_swap.weights_version == 2 and not engine.last_swap.verified
+
+        requests = app.query_one(RequestsPanel)
+        assert requests.counts.refused == (("context_length_exceeded", 3), ("invalid_api_key", 2), ("invalid_request_error", 1))
+        console = Console(width=40, record=True, file=io.StringIO())
+        console.print(requests.render())
+        shown = [line.split() for line in console.export_text().splitlines()]
+        assert shown[:3] == [["answered", "14"], ["refused", "6"], ["context_length_exceeded", "3"]]
 
         sessions = app.query_one(SessionsPanel)
         c = sessions.counters

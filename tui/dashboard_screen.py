@@ -18,6 +18,7 @@ from tui.log_panel import LogPanel
 from tui.loss_plot import LossPlot
 from tui.messages import EventArrived, LogLine, ProgressUpdated, SnapshotFailed, SnapshotTaken
 from tui.progress_panel import ProgressPanel
+from tui.requests_panel import RequestsPanel
 from tui.reward_plot import RewardPlot
 from tui.sample_screen import SampleScreen
 from tui.samples_table import SamplesTable
@@ -30,7 +31,7 @@ class DashboardScreen(Screen):
     DEFAULT_CSS = """
     DashboardScreen #top { height: 1fr; min-height: 10; }
     DashboardScreen #rewards { width: 2fr; }
-    DashboardScreen #engine { width: 1fr; }
+    DashboardScreen #engine-column { width: 1fr; }
     DashboardScreen #middle { height: 2fr; }
     DashboardScreen #samples { width: 2fr; }
     DashboardScreen #right { width: 1fr; }
@@ -43,7 +44,9 @@ class DashboardScreen(Screen):
     def compose(self) -> ComposeResult:
         with Horizontal(id="top"):
             yield RewardPlot(id="rewards")
-            yield EnginePanel(id="engine")
+            with Vertical(id="engine-column"):
+                yield EnginePanel(id="engine")
+                yield RequestsPanel(id="requests")
         with Horizontal(id="middle"):
             yield SamplesTable(id="samples")
             with Vertical(id="right"):
@@ -91,6 +94,8 @@ class DashboardScreen(Screen):
         self.query_one(EnginePanel).apply_snapshot(snapshot, message.at)
         if "sessions" in snapshot:
             self.query_one(SessionsPanel).apply_snapshot(snapshot["sessions"])
+        if "requests" in snapshot:
+            self.query_one(RequestsPanel).apply_snapshot(snapshot["requests"])
 
     def on_snapshot_failed(self, message: SnapshotFailed) -> None:
         self.query_one(StatusLine).error = message.error
