@@ -16,6 +16,8 @@ from typing import Literal, get_args, get_origin, get_type_hints
 
 import msgspec
 
+from ocrl.clients import OPENCLAW_ENVELOPE, OPENCLAW_HOUSEKEEPING, ClientRules
+
 
 class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # serving
@@ -48,6 +50,9 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # sessions and samples
     default_turn_type: Literal["main", "side"] = "main"
     session_timeout: float = 1800.0
+    # client conventions (clients.py); giving a flag replaces OpenClaw's defaults, '' clears them
+    housekeeping_pattern: list[str] = msgspec.field(default_factory=lambda: list(OPENCLAW_HOUSEKEEPING))  # ROLE:REGEX, served as side turns
+    envelope_pattern: list[str] = msgspec.field(default_factory=lambda: list(OPENCLAW_ENVELOPE))  # REGEX cut from a next state's user text
     record_dir: str = ""  # default runs/<timestamp>/
     no_record_text: bool = False
     # judge
@@ -127,7 +132,9 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
             parser.add_argument(flag, action="store_true", default=None, help=f"(default {default})")
             continue
         kwargs: dict = {"default": None, "help": f"(default {default!r})"}
-        if get_origin(hint) is Literal:
+        if get_origin(hint) is list:
+            kwargs.update(action="append", help=f"repeat for several (default {default!r})")
+        elif get_origin(hint) is Literal:
             kwargs["choices"] = list(get_args(hint))
         elif hint in (int, float):
             kwargs["type"] = hint
@@ -136,10 +143,10 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
 
 def _env_overrides(environ: dict[str, str]) -> dict[str, str]:
     found = {}
-    for name in _fields():
+    for name, hint in _fields().items():
         for var in ("OCRL_" + name.upper(), LEGACY_ENV.get(name)):
             if var and environ.get(var):
-                found[name] = environ[var]
+                found[name] = environ[var].split("\n") if get_origin(hint) is list else environ[var]  # one item a line
                 break
     return found
 
@@ -157,6 +164,13 @@ def load(args: argparse.Namespace | None = None, environ: dict[str, str] | None 
         merged.update({k: v for k, v in vars(args).items() if k in Config.__struct_fields__ and v is not None})
     try:
         # strict=False lets "30000" from the environment become an int, "1" a bool.
-        return msgspec.convert(merged, Config, strict=False)
+        config = msgspec.convert(merged, Config, strict=False)
     except msgspec.ValidationError as e:
         raise ConfigError(f"invalid configuration: {e}") from None
+    config.housekeeping_pattern = [p for p in config.housekeeping_pattern if p]  # '' clears the defaults
+    config.envelope_pattern = [p for p in config.envelope_pattern if p]
+    try:
+        ClientRules.from_config(config)
+    except ValueError as e:
+        raise ConfigError(f"invalid configuration: {e}") from None
+    return config

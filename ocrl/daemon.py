@@ -23,6 +23,7 @@ import msgspec
 
 from ocrl import chat, models, records as records_mod
 from ocrl.api import Api
+from ocrl.clients import ClientRules
 from ocrl.config import Config, ConfigError
 from ocrl.engine.hf import HFEngine
 from ocrl.engine.select import build_engine
@@ -163,6 +164,7 @@ class Daemon:
             timeout=config.session_timeout,
             parse_response=lambda text: chat.parse_completion(text, True)[:2],
             distill=self._build_distill(loaded),
+            clients=ClientRules.from_config(config),
         )
         if not config.no_train:
             from ocrl.train.trainer import Trainer, train_device, verify_tolerance

@@ -13,7 +13,13 @@ Rules (DESIGN.md, "The method"):
   (opd) the PRM, and a turn with a hint carries the teacher's prompt in its sample.
 
 A request without a session id is threaded by prefix: if its messages extend a known main turn's
-messages + that turn's response, it continues that session. This module knows nothing of HTTP,
+messages + that turn's response, it continues that session. When an agent rewrites its history
+(OpenClaw compacts older turns into a summary, or its system prompt changes), no prefix matches;
+then the request continues the session whose last main turn's reply it contains with messages
+after it (the latest such reply in the request wins; among sessions with an identical reply, the
+one that answered last). Housekeeping requests and envelopes are the client rules' business
+(clients.py): housekeeping is served as a side turn, and a next state reaches the judge, the
+records and the sample with its envelope cut off. This module knows nothing of HTTP,
 of how the judge votes or of training; it hands (turn, next state) pairs to a judging function
 and finished samples to a sink.
 """
@@ -32,6 +38,7 @@ from typing import Awaitable, Callable
 import anyio
 import msgspec
 
+from ocrl.clients import ClientRules
 from ocrl.faults import crash_point
 from ocrl.types import Completion, Hint, Message, Sample, SampleReady, SessionChanged, Turn, TurnServed, Verdict, VerdictReady, Vote
 
@@ -65,6 +72,7 @@ class Session:
     closed: bool = False
     last_seen: float = field(default_factory=time.monotonic)
     prefix_keys: list[str] = field(default_factory=list)
+    reply_key: str = ""  # the last main turn's reply, for threading through history rewrites
     hints: list[str] = field(default_factory=list)  # accepted hints, in order (--experience session|posthoc)
     held: list = field(default_factory=list)  # posthoc: judged turns waiting for the session's end
 
@@ -140,6 +148,7 @@ class Sessions:
         timeout: float = 1800.0,
         parse_response: Callable[[str], tuple[str | None, list[dict]]] | None = None,
         distill: Distill | None = None,
+        clients: ClientRules | None = None,
     ):
         self.judge = judge
         self.distill = distill
@@ -151,8 +160,10 @@ class Sessions:
         self.default_turn_type = default_turn_type
         self.timeout = timeout
         self.parse_response = parse_response or (lambda text: (text, []))
+        self.clients = clients or ClientRules()
         self.sessions: dict[str, Session] = {}
         self.by_prefix: dict[str, str] = {}
+        self.by_reply: dict[str, str] = {}  # reply key -> the session whose last main turn gave it
         self.counters: Counter = Counter()
         self._judging, self._to_judge = anyio.create_memory_object_stream[tuple[Session, _MainTurn]](float("inf"))
         self._in_flight = 0
@@ -162,16 +173,24 @@ class Sessions:
     def begin(
         self, *, session_id: str | None, turn_type: str | None, session_done: bool, messages: list[Message], tools: list[dict] | None = None
     ) -> Ticket:
+        if turn_type is None and self.clients.housekeeping_match(messages):
+            # The client's own housekeeping (a memory flush, a summary): answered, never trained
+            # on, and never the next state of the user's last turn. An explicit type wins.
+            turn_type = "side"
+            self.counters["housekeeping_turns"] += 1
         turn_type = turn_type or self.default_turn_type
         if turn_type not in ("main", "side"):
             raise ValueError(f"turn type must be 'main' or 'side', not {turn_type!r}")
         if not session_id:
-            session_id = self._thread(messages) or "s-" + uuid.uuid4().hex[:16]
+            session_id = self._thread(messages) or self._thread_by_reply(messages)
+            if session_id is None and turn_type == "side":
+                session_done = True  # a side turn of no known session: nothing to wait for
+            session_id = session_id or "s-" + uuid.uuid4().hex[:16]
         session = self._session(session_id)
         session.last_seen = time.monotonic()
         if turn_type == "main" and session.turns and session.turns[-1].state == "open":
             # The last message of this request is the next state of the previous main turn.
-            self._close_turn(session, session.turns[-1], messages[-1])
+            self._close_turn(session, session.turns[-1], self.clients.strip(messages[-1]))
         return Ticket(session_id, turn_type, session_done, messages, tools)
 
     def complete(self, ticket: Ticket, completion: Completion) -> Turn:
@@ -194,9 +213,7 @@ class Sessions:
         if main:
             session.turns.append(_MainTurn(turn))
             content, calls = self.parse_response(completion.text)
-            key = prefix_key(ticket.messages + [response_message(content or "", calls)])
-            self.by_prefix[key] = session.session_id
-            session.prefix_keys.append(key)
+            self._index(session, ticket.messages, response_message(content or "", calls))
             self.counters["main_turns"] += 1
         else:
             session.side_turns += 1
@@ -233,6 +250,8 @@ class Sessions:
         self._release_held(session)
         for key in session.prefix_keys:
             self.by_prefix.pop(key, None)
+        if self.by_reply.get(session.reply_key) == session_id:
+            del self.by_reply[session.reply_key]
         self.counters["sessions_closed"] += 1
         self.sessions.pop(session_id, None)  # votes in flight keep their own reference
         if self.events:
@@ -448,9 +467,7 @@ class Sessions:
                 session.turns.append(main_turn)
                 if turn.messages and turn.response_text is not None:
                     content, calls = self.parse_response(turn.response_text)
-                    key = prefix_key(turn.messages + [response_message(content or "", calls)])
-                    self.by_prefix[key] = session_id
-                    session.prefix_keys.append(key)
+                    self._index(session, turn.messages, response_message(content or "", calls))
                 if sid in journaled:
                     main_turn.state = "submitted"
                     continue
@@ -480,6 +497,17 @@ class Sessions:
                 self.events.publish(SessionChanged(session_id=session_id, state="open", main_turns=0))
         return session
 
+    def _index(self, session: Session, messages: list[Message], reply: Message) -> None:
+        """Makes a main turn findable by the next request: by its prompt + reply, and (as the
+        session's last) by its reply alone."""
+        key = prefix_key(messages + [reply])
+        self.by_prefix[key] = session.session_id
+        session.prefix_keys.append(key)
+        if self.by_reply.get(session.reply_key) == session.session_id:
+            del self.by_reply[session.reply_key]
+        session.reply_key = prefix_key([reply])
+        self.by_reply[session.reply_key] = session.session_id
+
     def _thread(self, messages: list[Message]) -> str | None:
         """The session whose last known prefix this request extends (longest match wins)."""
         for end in range(len(messages) - 1, 0, -1):
@@ -487,6 +515,19 @@ class Sessions:
                 continue
             found = self.by_prefix.get(prefix_key(messages[:end]))
             if found in self.sessions:
+                self.counters["threaded_by_prefix"] += 1
+                return found
+        return None
+
+    def _thread_by_reply(self, messages: list[Message]) -> str | None:
+        """A rewritten history: the session whose last main turn's reply this request contains,
+        followed by at least one message (the latest reply in the request wins)."""
+        for at in range(len(messages) - 2, -1, -1):
+            if messages[at].role != "assistant":
+                continue
+            found = self.by_reply.get(prefix_key([messages[at]]))
+            if found in self.sessions:
+                self.counters["threaded_by_reply"] += 1
                 return found
         return None
 
