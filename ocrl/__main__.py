@@ -1,4 +1,4 @@
-"""The command line: `python -m ocrl serve | simulate | bench`. Flags mirror config fields."""
+"""The command line: `python -m ocrl serve | simulate | bench | openclaw-config`. Flags mirror config fields."""
 
 from __future__ import annotations
 
@@ -49,6 +49,9 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--max-tokens", type=int, default=None, help="completion tokens per request (serve/train 32, learn 48)")
     add_simulation_flags(bench)
     config_mod.add_flags(bench)
+    oc = commands.add_parser("openclaw-config", help="print an openclaw.json provider block matching these serve flags")
+    oc.add_argument("--lean", action="store_true", help="add agent settings that fit a small context (no bootstrap, no skills, minimal tools)")
+    config_mod.add_flags(oc)
     sim = commands.add_parser("simulate", help="scripted users with a hidden preference talk to a running daemon")
     sim.add_argument("--url", default="http://127.0.0.1:30000/v1")
     sim.add_argument("--api-key", default=os.environ.get("OCRL_API_KEY", ""))
@@ -74,6 +77,14 @@ def main(argv: list[str] | None = None) -> int:
     except (config_mod.ConfigError, OSError) as e:
         print(f"ocrl: {e}", file=sys.stderr)
         return 2
+    if args.command == "openclaw-config":
+        from ocrl import models, openclaw
+
+        try:
+            return openclaw.main(config, args)
+        except models.ModelError as e:
+            print(f"ocrl: {e}", file=sys.stderr)
+            return 2
     if args.command == "serve":
         from ocrl.daemon import serve as serve_daemon
 

@@ -186,3 +186,9 @@ def load(model: str = "embedded", *, device: str = "auto", dtype: str = "auto", 
         tokenizer.pad_token = tokenizer.eos_token
     log.info("loaded %s in %.1fs", name, time.monotonic() - started)
     return LoadedModel(model=weights, tokenizer=tokenizer, name=name, path=str(where))
+
+
+def context_window(config, trained: int) -> int:
+    """Prompt + completion tokens the engines allow: --context-length, capped at what the model
+    was trained for (the engines apply the same rule to the loaded model's config)."""
+    return min(config.context_length, trained) if config.context_length > 0 else trained

@@ -147,3 +147,23 @@ def test_patterns_come_from_flags_and_bad_ones_are_refused():
     with pytest.raises(config_mod.ConfigError, match="not a valid regular expression"):
         config_mod.load(parser.parse_args(["--envelope-pattern", "(unclosed"]), environ={})
     assert config_mod.load(None, environ={"OCRL_ENVELOPE_PATTERN": "^a\n^b"}).envelope_pattern == ["^a", "^b"]
+
+
+def test_openclaw_config_matches_the_daemon_flags(capsys):
+    from ocrl.__main__ import main
+
+    assert main(["openclaw-config", "--port", "31999", "--api-key", "k-123", "--context-length", "4096", "--default-max-tokens", "300"]) == 0
+    block = json.loads(capsys.readouterr().out)
+    [model] = block["models"]["providers"]["ocrl"]["models"]
+    provider = block["models"]["providers"]["ocrl"]
+    assert provider["baseUrl"] == "http://127.0.0.1:31999/v1" and provider["apiKey"] == "k-123" and provider["api"] == "openai-completions"
+    assert (model["id"], model["contextWindow"], model["maxTokens"]) == ("SmolLM2-135M-Instruct", 4096, 300)
+    assert block["agents"]["defaults"]["model"]["primary"] == "ocrl/SmolLM2-135M-Instruct"
+    assert "tools" not in block and "contextInjection" not in block["agents"]["defaults"]
+    assert main(["openclaw-config", "--lean", "--served-model-name", "mine"]) == 0
+    lean = json.loads(capsys.readouterr().out)
+    [model] = lean["models"]["providers"]["ocrl"]["models"]
+    assert (model["id"], model["contextWindow"], model["maxTokens"]) == ("mine", 8192, 256)  # the embedded model's trained window
+    assert lean["models"]["providers"]["ocrl"]["apiKey"] == "ocrl-local"
+    assert lean["agents"]["defaults"]["contextInjection"] == "never" and lean["agents"]["defaults"]["skills"] == []
+    assert lean["tools"] == {"profile": "minimal", "toolSearch": False}
