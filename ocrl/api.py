@@ -27,7 +27,8 @@ from starlette.routing import Route
 
 from ocrl import chat
 from ocrl.access_log import RequestLog, note
-from ocrl.engine.base import EngineBusy, EngineError
+from ocrl.engine.base import GREEDY_BELOW, EngineBusy, EngineError
+from ocrl.records import DiskFull
 from ocrl.streams import Accumulator, merged
 from ocrl.types import Completion, Message, SamplingParams, TokenChunk
 
@@ -106,6 +107,15 @@ _AT = re.compile(r" - at `\$\.?([^`]*)`")
 def error_response(e: ApiError) -> Response:
     body = {"error": {"message": e.message, "type": e.type, "param": e.param, "code": e.code}}
     return Response(_encoder.encode(body), status_code=e.status, media_type="application/json", headers=e.headers)
+
+
+def storage_full(e: DiskFull) -> ApiError:
+    """A main turn cannot be kept while the record dir is full: 503, come back later. Side turns
+    and health keep answering."""
+    return ApiError(
+        503, f"this server cannot record main turns right now ({e.strerror or e}); retry later, or send a side turn",
+        "server_error", code="storage_full", headers={"Retry-After": "30"},
+    )
 
 
 def json_response(body: Any, headers: dict | None = None) -> Response:
@@ -334,13 +344,16 @@ class Api:
         turn_type = headers.get("x-turn-type") or body.turn_type
         if turn_type not in (None, "main", "side"):
             raise ApiError(400, f"X-Turn-Type must be 'main' or 'side', not {turn_type!r}", param="turn_type")
-        ticket = self.sessions.begin(
-            session_id=headers.get("x-session-id") or body.session_id,
-            turn_type=turn_type,
-            session_done=bool(_header_bool(headers.get("x-session-done")) or body.session_done),
-            messages=messages,
-            tools=tools,
-        )
+        try:
+            ticket = self.sessions.begin(
+                session_id=headers.get("x-session-id") or body.session_id,
+                turn_type=turn_type,
+                session_done=bool(_header_bool(headers.get("x-session-done")) or body.session_done),
+                messages=messages,
+                tools=tools,
+            )
+        except DiskFull as e:
+            raise storage_full(e) from None
         note(http.scope, session=ticket.session_id, n=body.n if body.n > 1 else None)
         choices = [params] if body.n == 1 else [msgspec.structs.replace(params, seed=None if params.seed is None else params.seed + k) for k in range(body.n)]
         return Prepared(messages, tools, prompt_ids, choices, ticket, http.scope)
@@ -382,10 +395,14 @@ class Api:
 
     def keep(self, prepared: Prepared, completions: list[Completion]) -> list:
         """3. keep the turn (n > 1: the group of candidates) with the sessions."""
-        if len(completions) == 1:
-            turns = [self.sessions.complete(prepared.ticket, completions[0])]
-        else:
-            turns = self.sessions.complete_group(prepared.ticket, completions)
+        try:
+            if len(completions) == 1:
+                turns = [self.sessions.complete(prepared.ticket, completions[0])]
+            else:
+                turns = self.sessions.complete_group(prepared.ticket, completions)
+        except DiskFull as e:  # generated, but it cannot be kept: the client must not take it as a turn
+            self.sessions.abort(prepared.ticket)
+            raise storage_full(e) from None
         first = turns[0]
         note(
             prepared.scope, turn=f"main#{first.index}" if first.turn_type == "main" else "side",
@@ -396,6 +413,9 @@ class Api:
     @staticmethod
     def stream_error(scope: dict, e: BaseException) -> bytes:
         """The SSE event a stream sends when generation fails after its 200 went out."""
+        if isinstance(e, ApiError):
+            note(scope, error=e.code or e.type)
+            return b"data: " + _encoder.encode({"error": {"message": e.message, "type": e.type, "param": e.param, "code": e.code}}) + b"\n\n"
         kind = "rate_limit_error" if isinstance(e, EngineBusy) else ("timeout" if isinstance(e, TimeoutError) else "server_error")
         note(scope, error=kind)
         return b"data: " + _encoder.encode({"error": {"message": str(e) or "generation timed out", "type": kind, "param": None, "code": None}}) + b"\n\n"
@@ -407,7 +427,8 @@ class Api:
             raise ApiError(400, "`stop` takes up to 16 non-empty strings", param="stop")
         return SamplingParams(
             max_tokens=min(wanted, room),
-            temperature=1.0 if body.temperature is None else body.temperature,
+            # a temperature too small to divide by is greedy (it is, to float precision)
+            temperature=1.0 if body.temperature is None else (0.0 if body.temperature < GREEDY_BELOW else body.temperature),
             top_p=1.0 if body.top_p is None else body.top_p,
             stop=tuple(stop),
             seed=body.seed,
@@ -506,7 +527,12 @@ class Api:
             self.sessions.abort(prepared.ticket)  # the client went away: no turn to keep
             raise
         completions = [c.completion for c in choices]
-        turns = self.keep(prepared, completions)
+        try:
+            turns = self.keep(prepared, completions)
+        except ApiError as e:  # the text went out, but the turn is not kept (a full disk): say so
+            yield self.stream_error(prepared.scope, e)
+            yield b"data: [DONE]\n\n"
+            return
         for k, (choice, completion) in enumerate(zip(choices, completions)):
             content, tool_calls, _ = chat.parse_completion(completion.text, tools_offered)
             finish = completion.finish_reason

@@ -155,6 +155,7 @@ class Daemon:
         self.events.publish(Progress(task="loading model", done=2, total=3))
         self.samples_send, self.samples_receive = anyio.create_memory_object_stream(math.inf)
         self.queued = 0
+        self.unjournaled = []  # samples a full disk kept out of the journal, oldest first
         self.sessions = Sessions(
             judge=self.judge.judge,
             submit=self.submit,
@@ -254,12 +255,37 @@ class Daemon:
     # 2. samples: journaled durably, then queued for the trainer (or excluded by rule)
     def submit(self, sample) -> None:
         self.records.sample(sample)
-        self.records.journal(sample)
+        try:
+            self.records.journal(sample)
+        except records_mod.DiskFull:  # held here, never queued unjournaled; `_watch_disk` retries
+            self.unjournaled.append(sample)
+            return
+        self._queue(sample)
+
+    def _queue(self, sample) -> None:
         if not sample.effective and not (self.trainer is not None and self.config.counts_untrained):
             self.records.consumed([sample.sample_id])  # mask 0: excluded by rule, nothing to train
         elif self.trainer is not None:  # --batch-counts all: a mask-0 sample fills its batch too
             self.samples_send.send_nowait(sample)
             self.queued += 1
+
+    async def _watch_disk(self, every: float = 2.0) -> None:
+        """While the record dir cannot be written: retries, and once it can, journals and queues
+        the samples held meanwhile; main turns are taken again and the trainer goes on by itself."""
+        while True:
+            await anyio.sleep(every)
+            if not (self.records.full or self.unjournaled or self.records.owed_consumed):
+                continue
+            if not self.records.recover():
+                continue
+            while self.unjournaled:
+                try:
+                    self.records.journal(self.unjournaled[0])
+                except records_mod.DiskFull:
+                    break
+                self._queue(self.unjournaled.pop(0))
+            if not self.records.full:
+                self.events.log("info", "the record dir can be written again")
 
     def _requeue_backlog(self) -> None:
         # Resumed: samples trained after the checkpoint we restored are trained again, once.
@@ -292,6 +318,12 @@ class Daemon:
             },
             "memory": {"rss_mb": rss_mb()},
             "requests": self.api.request_log.stats(),
+            "storage": {
+                "full": self.records.full,
+                "unjournaled_samples": len(self.unjournaled),
+                "owed_consumed": self.records.owed_consumed,
+                "dropped_rows": self.records.dropped_rows,
+            },
             "sessions": self.sessions.stats(),
             "samples": {
                 "queued": self.samples_send.statistics().current_buffer_used,
@@ -325,6 +357,7 @@ class Daemon:
             "enabled": True,
             "method": self.config.method,
             "paused": trainer.paused,
+            "waiting_for_disk": trainer.waiting_for_disk,
             "steps": trainer.steps,
             "pending": trainer.pending,
             "batch_size": self.config.rollout_batch_size,
@@ -354,6 +387,7 @@ class Daemon:
                 tg.start_soon(self.judge_engine.run)
             tg.start_soon(self.sessions.run)
             tg.start_soon(self.sessions.expire_idle)
+            tg.start_soon(self._watch_disk)
             tg.start_soon(self._watch_signals)
             if self.trainer is not None:
                 tg.start_soon(self.trainer.run, self.samples_receive)

@@ -1,4 +1,4 @@
-"""Named crash points for the crash tests: `OCRL_CRASH_AT=<point>[:<n>]` makes the process
+"""Named crash points and a full-disk switch for the crash tests: `OCRL_CRASH_AT=<point>[:<n>]` makes the process
 SIGKILL itself the n-th time (default 1st) it passes `<point>`. Unset, a crash point costs one
 dictionary lookup. The points sit where a real crash hurts most:
 
@@ -23,3 +23,12 @@ def crash_point(name: str) -> None:
         _left[name] -= 1
         if _left[name] <= 0:
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+_disk_full_flag = os.environ.get("OCRL_DISK_FULL_IF", "")
+
+
+def disk_full() -> bool:
+    """`OCRL_DISK_FULL_IF=<path>`: while that file exists, record appends behave as on a full
+    disk (a short write, then ENOSPC). Lets the end-to-end tests fill and free the disk."""
+    return bool(_disk_full_flag) and os.path.exists(_disk_full_flag)

@@ -9,10 +9,19 @@ A resumed run that restored an older checkpoint appends `{"resumed_at": step}` t
 `consumed.jsonl`: rows of later steps before it no longer count (those weights were lost). Files are
 created mode 0600: they hold people's conversations. This module knows nothing of how samples
 are made or trained on.
+
+A full disk (or any failing write) never leaves half a row: each append is written whole or
+cut back to where it started, and a file found ending mid-row when opened (a crash while
+writing) is cut back to its last whole row, so the next row never lands on a torn line. A
+failed write raises `DiskFull` for the rows that must not be lost (turns, next states, the
+journal) and sets `full`; consumed marks that cannot be written are owed and written first once
+space returns (`recover`); rows that are only a report (verdicts, metrics, ...) are dropped
+and counted.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import time
@@ -74,26 +83,72 @@ def newest_run_dir(root: str = "runs") -> Path | None:
     return runs[-1] if runs else None
 
 
+class DiskFull(OSError):
+    """A record could not be written (no space, quota, I/O error); nothing of it was kept."""
+
+
+def _write(fd: int, data: bytes) -> int:
+    """One write(2); the seam the disk-full tests replace with short writes and ENOSPC."""
+    from ocrl.faults import disk_full
+
+    if disk_full():
+        if len(data) > 1:  # a real full disk often takes part of a write first
+            return os.write(fd, data[: len(data) // 2])
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    return os.write(fd, data)
+
+
 class _Appender:
     def __init__(self, path: Path, durable: bool = False):
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-        self.file = os.fdopen(fd, "ab", buffering=0)
+        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o600)
+        self.path = path
         self.durable = durable
+        self._cut_torn_tail()
+
+    def _cut_torn_tail(self) -> None:
+        """A file that does not end with a newline was cut off mid-row (a crash while writing):
+        drop that partial row, or the next append would be glued onto it and lost."""
+        size = os.fstat(self.fd).st_size
+        if size == 0 or os.pread(self.fd, 1, size - 1) == b"\n":
+            return
+        keep = size
+        while keep > 0:
+            start = max(0, keep - 65536)
+            chunk = os.pread(self.fd, keep - start, start)
+            at = chunk.rfind(b"\n")
+            if at >= 0:
+                keep = start + at + 1
+                break
+            keep = start
+        log.warning("%s ended in a torn row (%d bytes): cut back to the last whole row", self.path.name, size - keep)
+        os.ftruncate(self.fd, keep)
+        os.fsync(self.fd)
 
     def write(self, obj) -> None:
         self.write_many([obj])
 
     def write_many(self, objs) -> None:
-        """Appends the rows in one write (one fsync when durable), so a reader sees all or none."""
+        """Appends the rows whole (one fsync when durable), or raises `DiskFull` having cut the
+        file back to where it was: a reader sees all of them or none."""
         data = b"".join(_encoder.encode(obj) + b"\n" for obj in objs)
         if not data:
             return
-        self.file.write(data)
-        if self.durable:
-            os.fsync(self.file.fileno())
+        start = os.fstat(self.fd).st_size
+        try:
+            written = 0
+            while written < len(data):  # write(2) may take fewer bytes than offered (a full disk does)
+                written += _write(self.fd, data[written:])
+            if self.durable:
+                os.fsync(self.fd)
+        except OSError as e:
+            try:
+                os.ftruncate(self.fd, start)
+            except OSError:
+                log.exception("could not cut %s back after a failed write", self.path.name)
+            raise DiskFull(e.errno, f"cannot write {self.path.name}: {e.strerror or e}") from None
 
     def close(self) -> None:
-        self.file.close()
+        os.close(self.fd)
 
 
 def _without_text(sample: Sample) -> Sample:
@@ -118,6 +173,51 @@ class Records:
         self.metrics = _Appender(self.dir / "metrics.jsonl")
         self._journal = _Appender(self.dir / "journal.jsonl", durable=True)
         self._consumed = _Appender(self.dir / "consumed.jsonl", durable=True)
+        self.full = False  # a write failed; main turns wait until `recover` finds space
+        self.dropped_rows = 0  # report rows (verdicts, metrics, ...) lost to a failed write
+        self._owed: list[Consumed] = []  # consumed marks not yet written
+
+    def _critical(self, appender: _Appender, rows: list) -> None:
+        try:
+            appender.write_many(rows)
+        except DiskFull:
+            if not self.full:
+                log.error("the record dir %s cannot be written (disk full?): new main turns are refused until it can", self.dir)
+            self.full = True
+            raise
+
+    def _report(self, appender: _Appender, row) -> None:
+        try:
+            appender.write(row)
+        except DiskFull:
+            self.full = True
+            self.dropped_rows += 1
+
+    def recover(self, headroom: int = 1 << 20) -> bool:
+        """After a failed write: writes the owed consumed marks, then checks that `headroom`
+        bytes fit beside the records; True (and `full` cleared) when both succeed."""
+        if not self.full and not self._owed:
+            return True
+        try:
+            if self._owed:
+                self._consumed.write_many(self._owed)
+                self._owed = []
+            probe = self.dir / ".space-probe"
+            fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                written, block = 0, b"\0" * 65536
+                while written < headroom:
+                    written += _write(fd, block)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+                probe.unlink(missing_ok=True)
+        except OSError:
+            return False
+        if self.full:
+            log.info("the record dir can be written again: main turns are taken again")
+        self.full = False
+        return True
 
     def consumed_ids(self, trained_through: int | None = None) -> set[str]:
         """Ids marked consumed. With `trained_through` (the step of the checkpoint a resumed run
@@ -145,7 +245,7 @@ class Records:
     def mark_resumed(self, step: int) -> None:
         """A resumed run restored the checkpoint of `step`: later steps' rows stop counting."""
         if any(r.step is not None and r.step > step for r in self.consumed_rows()):
-            self._consumed.write(Resumed(step))
+            self._critical(self._consumed, [Resumed(step)])
 
     def journaled(self) -> dict[str, bool]:
         """Journaled sample ids -> whether the sample is effective (has a loss-mask 1 token)."""
@@ -169,7 +269,7 @@ class Records:
     def next_state(self, sample_id: str, message: Message) -> None:
         if not self.record_text:
             message = msgspec.structs.replace(message, content=None, tool_calls=None)
-        self._next_states.write(NextState(sample_id, message))
+        self._critical(self._next_states, [NextState(sample_id, message)])
 
     def next_states(self) -> dict[str, Message]:
         return {row.sample_id: row.message for row in _decoded(self.dir / "next_states.jsonl", _next_state_decoder)}
@@ -186,13 +286,25 @@ class Records:
 
 
     def journal(self, sample: Sample) -> None:
+        """Raises `DiskFull` when the sample could not be made durable (it must not be queued)."""
         if not self.record_text:  # token ids stay: they are what training needs
             sample = _without_text(sample)
-        self._journal.write(sample)
+        self._critical(self._journal, [sample])
 
     def consumed(self, sample_ids: list[str], step: int | None = None) -> None:
-        """Marks samples used: by training step `step`, or (None) excluded by rule (mask 0)."""
-        self._consumed.write_many([Consumed(sample_id, step) for sample_id in sample_ids])
+        """Marks samples used: by training step `step`, or (None) excluded by rule (mask 0). On
+        a failed write the marks are owed (`owed_consumed`) and written by `recover`."""
+        rows = [Consumed(sample_id, step) for sample_id in sample_ids]
+        if self._owed:  # in order: owed marks first
+            rows, self._owed = self._owed + rows, []
+        try:
+            self._critical(self._consumed, rows)
+        except DiskFull:
+            self._owed = rows
+
+    @property
+    def owed_consumed(self) -> int:
+        return len(self._owed)
 
     def _text(self, obj: dict, *keys: str) -> dict:
         if not self.record_text:
@@ -202,32 +314,39 @@ class Records:
         return obj
 
     def turn(self, turn) -> None:
-        self.turns.write(self._text(msgspec.to_builtins(turn), "messages", "response_text"))
+        """A main turn raises `DiskFull` when it cannot be kept; a side turn is only a report."""
+        row = self._text(msgspec.to_builtins(turn), "messages", "response_text")
+        if turn.turn_type == "main":
+            self._critical(self.turns, [row])
+        else:
+            self._report(self.turns, row)
 
     def verdict(self, session_id: str, index: int, verdict, next_state: str | None, role: str | None) -> None:
         row = {"session_id": session_id, "turn_index": index, "role": role, "next_state": next_state, **msgspec.to_builtins(verdict)}
         if not self.record_text:
             row["next_state"] = None
-        self.verdicts.write(row)
+        self._report(self.verdicts, row)
 
     def hint(self, session_id: str, index: int, hint) -> None:
         row = {"session_id": session_id, "turn_index": index, **msgspec.to_builtins(hint)}
         if not self.record_text:
             row["hint"], row["votes"] = (None if row["hint"] is None else ""), [{**v, "text": ""} for v in row["votes"]]
-        self.hints.write(row)
+        self._report(self.hints, row)
 
     def distill(self, rows: list[dict]) -> None:
         for row in rows:
-            self.distilled.write(self._text(dict(row), "hint"))
+            self._report(self.distilled, self._text(dict(row), "hint"))
 
     def sample(self, sample: Sample) -> None:
         if not self.record_text:
             sample = _without_text(sample)
-        self.samples.write(msgspec.to_builtins(sample))
+        self._report(self.samples, msgspec.to_builtins(sample))
 
     def metric(self, row: dict) -> None:
-        self.metrics.write(row)
+        self._report(self.metrics, row)
 
     def close(self) -> None:
+        if self._owed:
+            self.recover(headroom=0)
         for appender in (self.turns, self._next_states, self.verdicts, self.hints, self.distilled, self.samples, self.metrics, self._journal, self._consumed):
             appender.close()

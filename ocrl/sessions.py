@@ -40,6 +40,7 @@ import msgspec
 
 from ocrl.clients import ClientRules
 from ocrl.faults import crash_point
+from ocrl.records import DiskFull
 from ocrl.types import Completion, Hint, Message, Sample, SampleReady, SessionChanged, Turn, TurnServed, Verdict, VerdictReady, Vote
 
 log = logging.getLogger("ocrl.sessions")
@@ -181,6 +182,8 @@ class Sessions:
         turn_type = turn_type or self.default_turn_type
         if turn_type not in ("main", "side"):
             raise ValueError(f"turn type must be 'main' or 'side', not {turn_type!r}")
+        if turn_type == "main" and self.records and self.records.full:
+            raise DiskFull(28, "the record dir is full: main turns cannot be kept until space returns")
         if not session_id:
             session_id = self._thread(messages) or self._thread_by_reply(messages)
             if session_id is None and turn_type == "side":
@@ -210,6 +213,8 @@ class Sessions:
             session_uid=session.uid if main else "",
             tools=ticket.tools,
         )
+        if self.records:  # a main turn that cannot be kept raises DiskFull here, before it counts
+            self.records.turn(turn)
         if main:
             session.turns.append(_MainTurn(turn))
             content, calls = self.parse_response(completion.text)
@@ -218,8 +223,6 @@ class Sessions:
         else:
             session.side_turns += 1
             self.counters["side_turns"] += 1
-        if self.records:
-            self.records.turn(turn)
         if self.events:
             seconds = time.monotonic() - ticket.started
             self.events.publish(
@@ -286,10 +289,10 @@ class Sessions:
                 await anyio.sleep(0.05)
 
     def _close_turn(self, session: Session, main_turn: _MainTurn, next_state: Message, *, record: bool = True) -> None:
+        if self.records and record:  # durable: a crash while judging costs a re-judge, not the turn
+            self.records.next_state(sample_id(session, main_turn.turn), next_state)  # DiskFull: the turn stays open
         main_turn.state = "judging"
         main_turn.next_state = next_state
-        if self.records and record:  # durable: a crash while judging costs a re-judge, not the turn
-            self.records.next_state(sample_id(session, main_turn.turn), next_state)
         self._in_flight += 1
         self._judging.send_nowait((session, main_turn))
 
@@ -336,6 +339,9 @@ class Sessions:
                 if self.records:
                     self.records.hint(turn.session_id, turn.index, hint)
             self._settle(session, main_turn, verdict, hint)
+        except Exception:  # never take the judging loop (and the daemon) down with one turn
+            log.exception("settling %s#%d failed", turn.session_id, turn.index)
+            self.counters["settle_failures"] += 1
         finally:
             self._in_flight -= 1
 

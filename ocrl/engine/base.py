@@ -42,6 +42,11 @@ def held_back(text: str, stops: tuple[str, ...]) -> int:
     return hold
 
 
+# Below this temperature sampling is greedy: logits / T overflows to inf/NaN in fp32 long before
+# T reaches 0 (1e-38 does), and the distribution is already an argmax to float precision.
+GREEDY_BELOW = 1e-5
+
+
 class EngineError(RuntimeError):
     """A generation failed inside the engine (the request gets a 5xx; the engine keeps serving)."""
 

@@ -32,7 +32,7 @@ import anyio
 import torch
 
 from ocrl.engine import prefix_cache
-from ocrl.engine.base import EngineBusy, EngineError, Final, collect, find_stop, ready_end
+from ocrl.engine.base import GREEDY_BELOW, EngineBusy, EngineError, Final, collect, find_stop, ready_end
 from ocrl.faults import crash_point
 from ocrl.types import Completion, FinishReason, SamplingParams, TokenChunk, TopLogprob
 
@@ -164,8 +164,13 @@ class HFEngine:
             state = await anyio.to_thread.run_sync(self._prefill, live)
             while live:
                 picked = await anyio.to_thread.run_sync(self._sample, state, live)
-                for request, (token, logprob, tops) in zip(live, picked):
-                    self._advance(request, token, logprob, tops, version)
+                for request, pick in zip(live, picked):
+                    if isinstance(pick, str):  # this request's sampling failed: it alone ends
+                        self._send(request, _Failure(token_ids=[], logprobs=[], text="", error=pick))
+                        request.send.close()
+                        request.closed = True
+                        continue
+                    self._advance(request, *pick, version)
                 keep = [i for i, r in enumerate(live) if r.finish is None and not r.closed]
                 finished = [i for i, r in enumerate(live) if r.finish is not None]
                 if finished and self.prefix_cache.enabled:
@@ -302,28 +307,37 @@ class HFEngine:
         state.update(mask=mask, next_position=state["next_position"] + 1, logits=out.logits[:, -1])
 
     @torch.inference_mode()
-    def _sample(self, state: dict, batch: list[_Request]) -> list[tuple[int, float, list[TopLogprob]]]:
+    def _sample(self, state: dict, batch: list[_Request]) -> list[tuple[int, float, list[TopLogprob]] | str]:
+        """Per row: (token, its raw log-prob, top log-probs), or the error that row hit; one
+        request's bad parameters never fail the rest of its batch."""
         logits = state["logits"].float()  # (B, V)
         logprobs = torch.log_softmax(logits, dim=-1)  # raw: no temperature, no top-p
         picked = []
         for row, request in enumerate(batch):
-            params = request.params
-            if params.temperature <= 0:
-                token = int(torch.argmax(logits[row]))
-            else:
-                probs = torch.softmax(logits[row] / params.temperature, dim=-1)
-                if params.top_p < 1.0:
-                    sorted_probs, order = torch.sort(probs, descending=True)
-                    outside = sorted_probs.cumsum(-1) - sorted_probs > params.top_p
-                    sorted_probs[outside] = 0.0
-                    probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-                token = int(torch.multinomial(probs.cpu(), 1, generator=request.generator))
-            tops = []
-            if params.top_logprobs:
-                values, indices = torch.topk(logprobs[row], params.top_logprobs)
-                tops = [TopLogprob(int(i), float(v)) for v, i in zip(values, indices)]
-            picked.append((token, float(logprobs[row, token]), tops))
+            try:
+                picked.append(self._sample_row(logits[row], logprobs[row], request))
+            except Exception as e:
+                log.warning("sampling failed for one request of a batch of %d: %s", len(batch), type(e).__name__)
+                picked.append(f"{type(e).__name__}: {e}")
         return picked
+
+    def _sample_row(self, logits: torch.Tensor, logprobs: torch.Tensor, request: _Request) -> tuple[int, float, list[TopLogprob]]:
+        params = request.params  # logits, logprobs: (V,)
+        if params.temperature < GREEDY_BELOW:
+            token = int(torch.argmax(logits))
+        else:
+            probs = torch.softmax(logits / params.temperature, dim=-1)
+            if params.top_p < 1.0:
+                sorted_probs, order = torch.sort(probs, descending=True)
+                outside = sorted_probs.cumsum(-1) - sorted_probs > params.top_p
+                sorted_probs[outside] = 0.0
+                probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+            token = int(torch.multinomial(probs.cpu(), 1, generator=request.generator))
+        tops = []
+        if params.top_logprobs:
+            values, indices = torch.topk(logprobs, params.top_logprobs)
+            tops = [TopLogprob(int(i), float(v)) for v, i in zip(values, indices)]
+        return token, float(logprobs[token]), tops
 
     @torch.inference_mode()
     def _score(self, prompt_ids: list[int], response_ids: list[int]) -> list[float]:

@@ -86,11 +86,13 @@ METRIC_KEYS = (
 _CHECKPOINT = re.compile(r"^step-(\d+)$")
 YIELD_POLL = 0.005  # seconds between looks at the engine while a step gives way
 PREFETCH_POLL = 0.02  # seconds between looks at the engine while a prefetch waits to start
+DISK_POLL = 1.0  # seconds between looks at the records while the disk is full
 _ENGINE = object()  # yield_to's default: ask the engine (see `serving`)
 
 
 class _NoRecords:
     dir = None
+    full = False
 
     def metric(self, row: dict) -> None:
         pass
@@ -322,6 +324,7 @@ class Trainer:
         self._lock = anyio.Lock()  # a step, a prefetch and a checkpoint never interleave
         self._pending: list[_Pending] = []
         self._paused = False
+        self.waiting_for_disk = False  # steps wait while the records cannot be written
         self._wake = anyio.Event()  # for the step loop: a sample arrived, or resume
         self._arrived = anyio.Event()  # for the prefetch: the same
         # Called at every yield point in the torch work: a step waits there, a prefetch gives up.
@@ -845,6 +848,16 @@ class Trainer:
                 tasks.start_soon(read)
                 tasks.start_soon(prefetch)
                 while True:
+                    if self.records.full and len(self._pending) >= size and not self._paused:
+                        # a step now could not mark its samples consumed (nor checkpoint): wait
+                        # for the records to be writable again, then go on by ourselves
+                        if closed:
+                            tasks.cancel_scope.cancel()
+                            break
+                        self.waiting_for_disk = True
+                        await anyio.sleep(DISK_POLL)
+                        continue
+                    self.waiting_for_disk = False
                     if self._paused or len(self._pending) < size:
                         if closed:
                             tasks.cancel_scope.cancel()  # the prefetch has nothing left to do
@@ -874,6 +887,9 @@ class Trainer:
         """Write `<save_dir>/step-<n>` via a temporary directory and a rename; keep the newest 3."""
         if self.save_dir is None:
             return None
+        if self.records.full:  # a checkpoint past consumed marks still owed would retrain them twice
+            log.warning("checkpoint of step %d skipped: the record dir cannot be written", self.steps)
+            return None
         async with self._lock:
             final = self.save_dir / f"step-{self.steps}"
             if self._saved_step == self.steps and final.exists():
@@ -887,15 +903,23 @@ class Trainer:
                 "lora": self.lora,
                 "lora_rank": self.config.lora_rank if self.lora else 0,
                 "saved_at": time.time(),
-                "probe": list(split_prompt(self.probe)) if self.probe is not None else None,
+                # the probe is a sample's token ids, i.e. its conversation: not kept with --no-record-text
+                "probe": list(split_prompt(self.probe)) if self.probe is not None and not self.config.no_record_text else None,
             }
             # 1. weights -> 2. optimizer -> 3. state, rename, prune; progress between stages
             self.events.publish(Progress(task=task, done=0, total=3))
-            await anyio.to_thread.run_sync(self._write_weights, staging)
-            self.events.publish(Progress(task=task, done=1, total=3))
-            await anyio.to_thread.run_sync(torch.save, self.optimizer.state_dict(), staging / "optimizer.pt")
-            self.events.publish(Progress(task=task, done=2, total=3))
-            await anyio.to_thread.run_sync(self._finish_checkpoint, staging, final, state)
+            try:
+                await anyio.to_thread.run_sync(self._write_weights, staging)
+                self.events.publish(Progress(task=task, done=1, total=3))
+                await anyio.to_thread.run_sync(_save_private, self.optimizer.state_dict(), staging / "optimizer.pt")
+                self.events.publish(Progress(task=task, done=2, total=3))
+                await anyio.to_thread.run_sync(self._finish_checkpoint, staging, final, state)
+            except (OSError, RuntimeError) as e:  # a full disk: the previous checkpoint stands
+                shutil.rmtree(staging, ignore_errors=True)
+                log.error("checkpoint of step %d failed (%s): the previous one stands", self.steps, e)
+                self.events.log("error", f"checkpoint of step {self.steps} failed: {e}")
+                self.events.publish(Progress(task=task, done=3, total=3))
+                return None
             self.events.publish(Progress(task=task, done=3, total=3))
             self._saved_step = self.steps
             log.info("saved %s", final)
@@ -904,7 +928,9 @@ class Trainer:
     def _write_weights(self, staging: Path) -> None:
         if staging.exists():
             shutil.rmtree(staging)
-        staging.mkdir(parents=True, mode=0o700)
+        staging.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        staging.parent.chmod(0o700)
+        staging.mkdir(mode=0o700)
         if self.lora:
             self.model.save_pretrained(staging / "adapter")
         else:
@@ -915,6 +941,9 @@ class Trainer:
     def _finish_checkpoint(self, staging: Path, final: Path, state: dict) -> None:
         crash_point("checkpoint")
         (staging / "state.json").write_text(json.dumps(state))
+        # weights trained on people's conversations: owner only, whatever the umask
+        for path in [staging, *staging.rglob("*")]:
+            path.chmod(0o700 if path.is_dir() else 0o600)
         if final.exists():  # re-saving a step: swap the old one out, then drop it
             old = final.with_name(final.name + ".old")
             os.replace(final, old)
@@ -956,6 +985,13 @@ class Trainer:
         self.probe = _probe_sample(*state["probe"]) if state.get("probe") else None
         log.info("resumed from %s (step %d, weights version %d)", path, self.steps, self.version)
         return path
+
+
+def _save_private(obj, path: Path) -> None:
+    """torch.save into a file only its owner can read (optimizer moments mirror the weights)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        torch.save(obj, f)
 
 
 def checkpoints(directory: Path) -> list[Path]:
