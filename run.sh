@@ -3,8 +3,23 @@
 #   ./run.sh                 serve the embedded model (dashboard on a terminal, plain logs otherwise)
 #   ./run.sh test [args]     the whole test suite (what CI runs)
 #   ./run.sh serve|simulate|bench [args]   any `python -m ocrl` command
+#   ./run.sh wheelhouse DIR --have FREEZE --python 3.12   wheels an air-gapped box lacks (needs a registry)
+#   ./run.sh offline DIR [TARGET]   on that box: install them for its python3, no network; later
+#                                   ./run.sh commands then use that python3 with TARGET first on its path
 set -euo pipefail
 cd "$(dirname "$0")"
+
+offline=.ocrl-offline  # written by `./run.sh offline`: "<python> <target dir>"
+if [ "${1:-}" = "offline" ] || [ "${1:-}" = "--offline" ]; then
+    [ -n "${2:-}" ] || { echo "usage: ./run.sh offline WHEELHOUSE [TARGET]" >&2; exit 2; }
+    python="$(command -v "${PYTHON:-python3}")"
+    target="$(realpath -m "${3:-.offline-site}")"
+    PYTHONPATH="$PWD" "$python" -c 'import sys; from pathlib import Path; from ocrl.wheelhouse import install
+print("ocrl: installed offline:", " ".join(install(Path(sys.argv[1]), Path(sys.argv[2]))))' "$2" "$target"
+    echo "$python $target" > "$offline"
+    echo "ocrl: ./run.sh now runs $python with $target first on PYTHONPATH (delete $offline to undo)" >&2
+    exit 0
+fi
 
 venv=.venv
 stamp="$venv/.ocrl-installed"
@@ -35,16 +50,26 @@ install() {
     echo "ocrl: installed" >&2
 }
 
-if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
-    install
+if [ -f "$offline" ]; then
+    read -r py target < "$offline"
+    export PYTHONPATH="$target:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+else
+    if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+        install
+    fi
+    py="$venv/bin/python"
 fi
-
-py="$venv/bin/python"
 cmd="${1:-serve}"
 case "$cmd" in
     test)
         shift || true
         exec "$py" -m pytest -q "$@"
+        ;;
+    wheelhouse)
+        shift || true
+        # pip before 24 backtracks for many minutes on a foreign target's pins; a current one takes seconds
+        "$py" -m pip install --disable-pip-version-check --quiet --upgrade "pip>=25"
+        exec "$py" -m ocrl.wheelhouse "$@"
         ;;
     serve|simulate|bench)
         shift || true

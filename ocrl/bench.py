@@ -146,16 +146,36 @@ async def bench_soak(config, *, sessions: int, seconds: float, max_tokens: int) 
     soak.print_report(report, accounting, sessions)
 
 
+def bare_step_fn(trainer, batch, lr: float):
+    """The baseline for a trainer step: what any training loop must do at least on the same
+    batch and the same (LoRA) model, one torch forward + backward + AdamW step, no extras."""
+    import torch
+
+    from ocrl.train.loss import token_logprobs
+    from ocrl.train.trainer import _MicroBatch
+
+    optimizer = torch.optim.AdamW(trainer.params, lr=lr)
+
+    def bare_step() -> None:
+        micro = _MicroBatch.of(batch, trainer.device)
+        out = trainer.model(input_ids=micro.input_ids, attention_mask=micro.attention_mask, position_ids=micro.position_ids,
+                            use_cache=False, logits_to_keep=micro.targets.shape[1] + 1)
+        logprobs = token_logprobs(out.logits[:, :-1], micro.targets)
+        loss = -(logprobs * micro.rewards[:, None] * micro.loss_mask).sum() / micro.loss_mask.sum()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return bare_step
+
+
 async def bench_train(config, repeats: int, max_tokens: int) -> None:
     import threading
-
-    import torch
 
     from ocrl import models
     from ocrl.daemon import set_threads
     from ocrl.engine.hf import HFEngine
-    from ocrl.train.loss import token_logprobs
-    from ocrl.train.trainer import Trainer, _MicroBatch, pack
+    from ocrl.train.trainer import Trainer, pack
     from ocrl.types import Sample
 
     set_threads(config)  # as the daemon does: decode and training share the cores
@@ -174,18 +194,8 @@ async def bench_train(config, repeats: int, max_tokens: int) -> None:
             batch.append(Sample(sample_id=str(i), session_id="bench", turn_index=i, tokens=ids + c.response_ids, response_length=n,
                                 loss_mask=[1] * n, rollout_logprobs=c.logprobs, reward=1.0 if i % 2 else -1.0, weights_version=0, score=1))
         trainer = await anyio.to_thread.run_sync(lambda: Trainer(config, loaded.model, engine=engine))
-        bare_optimizer = torch.optim.AdamW(trainer.params, lr=config.lr)
+        bare_step = bare_step_fn(trainer, batch, config.lr)
         micro_batches = len(pack(batch, config.micro_batch_tokens))
-
-        def bare_step() -> None:  # the baseline: what any training loop must do at least
-            micro = _MicroBatch.of(batch, trainer.device)
-            out = trainer.model(input_ids=micro.input_ids, attention_mask=micro.attention_mask, position_ids=micro.position_ids,
-                                use_cache=False, logits_to_keep=micro.targets.shape[1] + 1)
-            logprobs = token_logprobs(out.logits[:, :-1], micro.targets)
-            loss = -(logprobs * micro.rewards[:, None] * micro.loss_mask).sum() / micro.loss_mask.sum()
-            loss.backward()
-            bare_optimizer.step()
-            bare_optimizer.zero_grad(set_to_none=True)
 
         def timed(fn, *a) -> float:
             started = time.perf_counter()

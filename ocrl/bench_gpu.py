@@ -1,33 +1,89 @@
-"""`python -m ocrl bench gpu`: the GPU path's systems figures, each beside a baseline measured in
-the same run, for each engine present (transformers always; SGLang when it imports, twice: full
-weight swaps, and `sglang-lora` with `--weight-sync lora`, serving through the adapter).
+"""`python -m ocrl bench gpu [--report FILE.json]`: every GPU figure in one command, each beside a
+baseline measured in the same run, for each architecture (`--archs`, default qwen3-0.6b and
+qwen3-4b with random weights in bf16: these figures depend on shapes, not on trained weights) and
+each engine present (transformers always; SGLang when it imports, twice: full weight swaps, and
+`sglang-lora` with `--weight-sync lora`, serving through the adapter):
 
-- serving tokens/s: `--concurrency` requests of `--max-tokens` tokens at once through the
-  engine, over the same requests through the bare library (HF `model.generate`, or the plain
-  `sglang.Engine.async_generate` of the same engine, log-probs on in both);
-- swap seconds: one `update_weights` of what the trainer publishes, over one torch forward pass
-  of the model on the step's batch;
-- stall: the longest gap between tokens of a request streaming while a swap lands, over its
-  median gap without a swap (and beside the swap itself: the target is stall <= swap);
-- step seconds: one trainer step (LoRA by default; `--full-finetune`), over the same forward.
+- the gpu tests (`pytest -m gpu`), run first in a subprocess: passed / failed / skipped;
+- serving tokens/s at batch 1, 8 and 32 (`--batches`) through the engine, over the same requests
+  through the bare library (HF `model.generate`, or SGLang's plain `async_generate`);
+- trainer step seconds (LoRA by default) over a bare forward + backward + AdamW step of the same
+  model on the same batch;
+- swap seconds (what the trainer publishes: merged weights, or the adapter for `sglang-lora`)
+  over one forward pass of the served model on the step's batch;
+- stall: the longest gap between tokens of a request streaming while a trainer step and its swap
+  run, over its median gap without them;
+- peak GPU memory of engine + trainer (torch's allocator; SGLang's static pool is reported apart).
 
-The model is `--model`, or a named architecture with random weights (`--random-init`,
-default qwen3-4b on CUDA): these figures depend on shapes, not on trained weights. Without
-CUDA it runs the same code on CPU with `--random-init tiny` as a smoke check and says so: those
-are not GPU figures.
+The report (`--report`) is JSON, rewritten after every section, so a run cut short keeps what it
+measured. Without CUDA the same code runs on CPU with `--random-init tiny` as a smoke check and
+says so: those are not GPU figures.
 """
 
 from __future__ import annotations
 
+import gc
+import json
+import os
+import platform
+import re
 import statistics
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import anyio
 import msgspec
 
-from ocrl.types import Message, SamplingParams
+from ocrl.types import Message, Sample, SamplingParams
 
 PROMPTS = ["Write a poem about the sea.", "Explain how a bicycle works.", "List ten fruits.", "Tell me a story."]
+med = statistics.median
+
+
+class Report:
+    """The figures so far, written out after each section."""
+
+    def __init__(self, path: str):
+        self.path = Path(path) if path else None
+        self.data: dict = {"started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "archs": {}}
+
+    def save(self) -> None:
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.path.write_text(json.dumps(self.data, indent=1, default=str) + "\n")
+
+
+def environment(cuda: bool) -> dict:
+    import torch
+    import transformers
+
+    from ocrl.engine import select
+
+    env = {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
+           "cuda": torch.version.cuda, "device": torch.cuda.get_device_name(0) if cuda else f"CPU ({os.cpu_count()} cores)",
+           "sglang": select.sglang_problem() or "present"}  # fmt: skip
+    try:
+        import flash_attn  # noqa: F401
+
+        env["flash_attn"] = flash_attn.__version__
+    except ImportError:
+        env["flash_attn"] = "absent (attention is SDPA)"
+    return env
+
+
+def gpu_tests(timeout: float) -> dict:
+    """`pytest -m gpu` in a subprocess: its counts and its last lines."""
+    started = time.perf_counter()
+    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "tests/test_gpu.py"]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=Path(__file__).resolve().parent.parent)
+        said, rc = done.stdout + done.stderr, done.returncode
+    except subprocess.TimeoutExpired as e:
+        said, rc = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or ""), "timeout"
+    counts = {kind: int(n) for n, kind in re.findall(r"(\d+) (passed|failed|skipped|error|errors)", said)}
+    return {"rc": rc, **counts, "seconds": round(time.perf_counter() - started, 1), "tail": said[-2500:]}
 
 
 def _sync(device) -> None:
@@ -45,155 +101,211 @@ async def bench_gpu(config, args) -> None:
     from ocrl.engine import select
 
     cuda = torch.cuda.is_available()
+    report = Report(getattr(args, "report", "") or "")
     if cuda:
-        random_init = config.random_init or ("qwen3-4b" if config.model == "embedded" else "")
+        archs = [a for a in (args.archs or "qwen3-0.6b,qwen3-4b").split(",") if a] if not config.random_init else [config.random_init]
         device = "cuda"
     else:
         print("bench gpu: no CUDA device here. Running the same code on CPU with --random-init tiny as a smoke "
               "check; these are NOT GPU figures.")  # fmt: skip
-        random_init, device = config.random_init or "tiny", "cpu"
-    config = msgspec.structs.replace(config, random_init=random_init, device=device)
-    set_threads(config)
-    started = time.perf_counter()
-    loaded = await anyio.to_thread.run_sync(
-        lambda: models.load(config.model, device=config.device, dtype=config.dtype, random_init=config.random_init)
-    )
-    params = sum(p.numel() for p in loaded.model.parameters())
-    first = next(loaded.model.parameters())
-    print(f"model {loaded.name}: {params / 1e9:.2f}B parameters, {first.device}, {str(first.dtype).removeprefix('torch.')}, "
-          f"attention {loaded.model.config._attn_implementation}, loaded in {time.perf_counter() - started:.1f}s")  # fmt: skip
-    engines = ["hf"]
-    if cuda:
-        problem = select.sglang_problem()
-        # sglang-lora: the same engine with --weight-sync lora (adapters swapped, not weights)
-        engines += ["sglang", "sglang-lora"] if problem is None else []
-        if problem:
-            print(f"sglang: not measured ({problem})")
-    concurrency = args.concurrency or 8
-    max_tokens = args.max_tokens or 128
+        archs, device = [config.random_init or "tiny"], "cpu"
+    if config.model != "embedded" and cuda and not config.random_init:
+        archs = [""]  # a real model: --model as given
+    batches = [int(b) for b in (args.batches or ("1,8,32" if cuda else "1,4")).split(",")]
+    max_tokens = args.max_tokens or (64 if cuda else 8)
     repeats = max(1, min(args.repeats, 3))
-    results = {}
-    for which in engines:
-        results[which] = await bench_engine(which, config, loaded, concurrency, max_tokens, repeats)
+    report.data["environment"] = env = environment(cuda)
+    report.data["settings"] = {"batches": batches, "max_tokens": max_tokens, "repeats": repeats, "lora_rank": config.lora_rank,
+                               "full_finetune": config.full_finetune, "rollout_batch_size": config.rollout_batch_size}  # fmt: skip
+    print(f"bench gpu on {env['device']}: torch {env['torch']}, transformers {env['transformers']}, sglang {env['sglang']}")
+    report.save()
+    started = time.perf_counter()
+
+    # 1. the gpu tests, in a process of their own (they build their own engines)
+    if cuda and not args.no_gpu_tests:
+        report.data["gpu_tests"] = tests = gpu_tests(timeout=args.test_timeout)
+        print(f"gpu tests: {tests.get('passed', 0)} passed, {tests.get('failed', 0)} failed, {tests.get('skipped', 0)} skipped "
+              f"(rc {tests['rc']}, {tests['seconds']:.0f}s)")  # fmt: skip
+        if tests["rc"] not in (0, 5):
+            print(tests["tail"])
+    else:
+        report.data["gpu_tests"] = {"skipped": "no CUDA" if not cuda else "--no-gpu-tests"}
+    report.save()
+
+    # 2. each architecture, each engine
+    for arch in archs:
+        arch_config = msgspec.structs.replace(config, random_init=arch, device=device, max_batch_size=max(max(batches), config.max_batch_size))
+        set_threads(arch_config)
         if cuda:
             torch.cuda.empty_cache()
-    print()
-    print(f"{'engine':8} {'serve tok/s':>12} {'baseline':>10} {'ratio':>6}   {'swap s':>8} {'forward s':>10} {'ratio':>7}"
-          f"   {'stall s':>8} {'gap s':>8} {'ratio':>7}   {'step s':>8} {'ratio':>7}  verified")  # fmt: skip
-    for which, r in results.items():
-        print(f"{which:8} {r['serve']:12.1f} {r['serve_base']:10.1f} {r['serve'] / r['serve_base']:6.2f}   "
-              f"{r['swap']:8.3f} {r['forward']:10.4f} {r['swap'] / r['forward']:7.1f}   "
-              f"{r['stall']:8.3f} {r['gap']:8.4f} {r['stall'] / r['gap']:7.1f}   "
-              f"{r['step']:8.3f} {r['step'] / r['forward']:7.1f}  {r['verified']} (probe diff {r['probe_diff']:.3g})")  # fmt: skip
-    print(f"\nstall vs swap: " + ", ".join(f"{w} {r['stall']:.3f}s vs {r['swap']:.3f}s" for w, r in results.items())
-          + "; mixed-version completions: " + (", ".join(f"{w} {r['mixed']}" for w, r in results.items() if w != "hf") or "-"))  # fmt: skip
-    print(f"targets (Qwen3-4B class, one H100/H200): swap <= 1 s; stall <= swap; sglang serve ratio >= 0.90. "
-          f"total {time.perf_counter() - started:.0f}s")  # fmt: skip
+            torch.cuda.reset_peak_memory_stats()
+        t = time.perf_counter()
+        loaded = await anyio.to_thread.run_sync(
+            lambda: models.load(arch_config.model, device=arch_config.device, dtype=arch_config.dtype, random_init=arch_config.random_init)
+        )
+        params = sum(p.numel() for p in loaded.model.parameters())
+        first = next(loaded.model.parameters())
+        entry = report.data["archs"][loaded.name] = {
+            "parameters_b": round(params / 1e9, 3), "dtype": str(first.dtype).removeprefix("torch."),
+            "attention": loaded.model.config._attn_implementation, "load_seconds": round(time.perf_counter() - t, 1),
+            "model_gib": round(torch.cuda.memory_allocated() / 2**30, 2) if cuda else None, "engines": {},
+        }  # fmt: skip
+        print(f"\n{loaded.name}: {params / 1e9:.2f}B parameters, {first.device}, {entry['dtype']}, attention {entry['attention']}")
+        engines = ["hf"]
+        if cuda and select.sglang_problem() is None:
+            engines += ["sglang", "sglang-lora"]
+        for which in engines:
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
+            try:
+                entry["engines"][which] = await bench_engine(which, arch_config, loaded, batches, max_tokens, repeats)
+            except Exception as e:  # one engine's failure is a figure too; the others still run
+                entry["engines"][which] = {"error": f"{type(e).__name__}: {e}"}
+                print(f"{which}: failed: {type(e).__name__}: {e}")
+            if cuda:
+                entry["engines"][which]["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+            report.save()
+            gc.collect()
+            if cuda:
+                torch.cuda.empty_cache()
+        if not cuda or "sglang" not in engines:
+            entry["missing"] = "SGLang rows (sglang not installed: " + env["sglang"] + "); adapter swaps are SGLang's --weight-sync lora"
+        del loaded
+        gc.collect()
+        report.save()
+    report.data["seconds"] = round(time.perf_counter() - started, 1)
+    report.save()
+    print_table(report.data)
+    if report.path:
+        print(f"report: {report.path}")
 
 
-async def bench_engine(which: str, config, loaded, concurrency: int, max_tokens: int, repeats: int) -> dict:
-    import torch
+def print_table(data: dict) -> None:
+    print(f"\n{data['environment']['device']}, torch {data['environment']['torch']}, {data['seconds']:.0f}s in all")
+    for arch, entry in data["archs"].items():
+        for which, r in entry["engines"].items():
+            if "error" in r:
+                print(f"{arch:18} {which:11} error: {r['error']}")
+                continue
+            serve = "  ".join(f"b{b}: {s['tokens_per_s']:.0f} tok/s = {s['ratio']:.2f}x bare" for b, s in r["serve"].items())
+            print(f"{arch:18} {which:11} {serve}")
+            print(f"{'':30} step {r['step_s']:.3f}s = {r['step_ratio']:.2f}x bare fwd+bwd+AdamW ({r['bare_step_s']:.3f}s); "
+                  f"swap ({r['swap_kind']}) {r['swap_s']:.3f}s = {r['swap_ratio']:.2f}x a forward ({r['forward_s']:.4f}s); "
+                  f"stall {r['stall_s']:.3f}s = {r['stall_ratio']:.1f}x median decode step ({r['decode_step_s']:.4f}s); "
+                  f"verified {r['verified']}; peak {r.get('peak_gib', '-')} GiB")  # fmt: skip
+        if "missing" in entry:
+            print(f"{'':30} not measured: {entry['missing']}")
 
+
+async def bench_engine(which: str, config, loaded, batches: list[int], max_tokens: int, repeats: int) -> dict:
     from ocrl import chat
+    from ocrl.bench import bare_step_fn
     from ocrl.engine.select import build_engine
     from ocrl.train.trainer import Trainer, verify_tolerance
-    from ocrl.types import Sample
 
-    med = statistics.median
     kind, _, sync = which.partition("-")  # "sglang-lora": engine sglang, --weight-sync lora
     engine = await build_engine(msgspec.structs.replace(config, engine=kind, weight_sync=sync or "full"), loaded)
     device = next(loaded.model.parameters()).device
-    prompts = [chat.prompt_ids(loaded.tokenizer, [Message(role="user", content=PROMPTS[i % len(PROMPTS)])]) for i in range(concurrency)]
-    out: dict = {}
-    trainer = await anyio.to_thread.run_sync(
-        lambda: Trainer(config, loaded.model, engine=engine, device=device, verify_atol=verify_tolerance(loaded.model), yield_to=None)
-    )
+    prompts = [chat.prompt_ids(loaded.tokenizer, [Message(role="user", content=PROMPTS[i % len(PROMPTS)])]) for i in range(max(batches))]
+    out: dict = {"serve": {}}
     async with anyio.create_task_group() as tg:
         tg.start_soon(engine.run)
-        if getattr(engine, "accepts_adapters", False):
-            await trainer.publish()  # serve through the (initial) adapter, as the daemon would after a step
 
-        # 1. serving tokens/s through the engine, then through the bare library
-        async def through_engine() -> int:
-            counts = [0] * concurrency
+        # 1. serving tokens/s at each batch size, through the engine and through the bare library
+        for size in batches:
 
-            async def one(i):
-                c = await engine.generate(prompts[i], SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=i))
-                counts[i] = len(c.response_ids)
+            async def through_engine(size=size) -> int:
+                counts = [0] * size
 
-            async with anyio.create_task_group() as group:
-                for i in range(concurrency):
-                    group.start_soon(one, i)
-            return sum(counts)
+                async def one(i):
+                    c = await engine.generate(prompts[i], SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=i))
+                    counts[i] = len(c.response_ids)
 
-        bare = _bare_generate(which, engine, loaded, prompts, max_tokens)
-        served, base = [], []
-        await through_engine()  # warm-up (CUDA graphs, allocator)
-        await bare()
-        for _ in range(repeats):
-            t = time.perf_counter()
-            n = await through_engine()
-            served.append(n / (time.perf_counter() - t))
-            t = time.perf_counter()
-            n = await bare()
-            base.append(n / (time.perf_counter() - t))
-        out["serve"], out["serve_base"] = med(served), med(base)
-        print(f"{which}: serving {out['serve']:.1f} tok/s, bare {out['serve_base']:.1f} tok/s ({concurrency} x {max_tokens} tokens)")
+                async with anyio.create_task_group() as group:
+                    for i in range(size):
+                        group.start_soon(one, i)
+                return sum(counts)
 
-        # 2. a batch of completions -> trainer steps (each publishes and verifies a swap)
+            bare = _bare_generate(which, engine, loaded, prompts[:size], max_tokens)
+            await through_engine()  # warm-up (allocator, kernels)
+            await bare()
+            served, base = [], []
+            for _ in range(repeats):
+                t = time.perf_counter()
+                served.append(await through_engine() / (time.perf_counter() - t))
+                t = time.perf_counter()
+                base.append(await bare() / (time.perf_counter() - t))
+            out["serve"][size] = {"tokens_per_s": med(served), "bare_tokens_per_s": med(base), "ratio": med(served) / med(base)}
+            print(f"{which}: batch {size}: {med(served):.1f} tok/s through the engine, {med(base):.1f} bare ({size} x {max_tokens} tokens)")
+
+        # 2. a batch of completions; the trainer as the daemon builds it (it gives way to serving)
         batch = []
         for i in range(config.rollout_batch_size):
-            c = await engine.generate(prompts[i % concurrency], SamplingParams(max_tokens=32, temperature=1.0, seed=100 + i))
-            n = len(c.response_ids)
-            if n == 0:
-                continue
-            batch.append(Sample(sample_id=str(i), session_id="bench", turn_index=i, tokens=c.prompt_ids + c.response_ids,
-                                response_length=n, loss_mask=[1] * n, rollout_logprobs=c.logprobs,
-                                reward=1.0 if i % 2 else -1.0, weights_version=0, score=1))  # fmt: skip
+            c = await engine.generate(prompts[i % len(prompts)], SamplingParams(max_tokens=32, temperature=1.0, seed=100 + i))
+            if n := len(c.response_ids):
+                batch.append(Sample(sample_id=str(i), session_id="bench", turn_index=i, tokens=c.prompt_ids + c.response_ids,
+                                    response_length=n, loss_mask=[1] * n, rollout_logprobs=c.logprobs,
+                                    reward=1.0 if i % 2 else -1.0, weights_version=0, score=1))  # fmt: skip
+        trainer = await anyio.to_thread.run_sync(
+            lambda: Trainer(config, loaded.model, engine=engine, device=device, verify_atol=verify_tolerance(loaded.model))
+        )
+        if getattr(engine, "accepts_adapters", False):
+            await trainer.publish()  # serve through the (initial) adapter, as the daemon would after a step
+        bare_step = bare_step_fn(trainer, batch, config.lr)
+
+        def timed(fn) -> float:
+            _sync(device)
+            t = time.perf_counter()
+            fn()
+            _sync(device)
+            return time.perf_counter() - t
+
+        await anyio.to_thread.run_sync(bare_step)  # warm-up
+        bare_s = [await anyio.to_thread.run_sync(timed, bare_step) for _ in range(repeats)]
         rows = [await trainer.step(batch) for _ in range(repeats + 1)][1:]  # the first warms up
-        out["step"] = med(r["step_seconds"] for r in rows)
-        out["swap"] = med(r["swap_seconds"] for r in rows)
+        out["bare_step_s"] = med(bare_s)
+        out["step_s"] = med(r["step_seconds"] for r in rows)
+        out["step_ratio"] = out["step_s"] / out["bare_step_s"]
+        out["swap_s"] = med(r["swap_seconds"] for r in rows)
+        out["swap_kind"] = "adapter" if getattr(engine, "accepts_adapters", False) else "merged"
         out["verified"] = all(bool(r["verified"]) for r in rows)
         out["probe_diff"] = max(r["probe_diff"] for r in rows)
+        out["forward_s"] = med([await anyio.to_thread.run_sync(_forward_seconds, loaded.model, batch, device) for _ in range(repeats + 1)][1:])
+        out["swap_ratio"] = out["swap_s"] / out["forward_s"]
+        print(f"{which}: step {out['step_s']:.3f}s vs bare {out['bare_step_s']:.3f}s; swap ({out['swap_kind']}) {out['swap_s']:.3f}s vs "
+              f"forward {out['forward_s']:.4f}s; verified {out['verified']} (probe diff {out['probe_diff']:.3g})")  # fmt: skip
 
-        # 3. the baseline for both: one forward pass of the served model over the same batch
-        out["forward"] = med([await anyio.to_thread.run_sync(_forward_seconds, loaded.model, batch, device) for _ in range(repeats + 1)][1:])
-        print(f"{which}: step {out['step']:.3f}s, swap {out['swap']:.3f}s, forward {out['forward']:.4f}s, "
-              f"verified {out['verified']} (probe diff {out['probe_diff']:.3g})")  # fmt: skip
-
-        # 4. a request streaming while a swap lands, against the same request without one
-        long = SamplingParams(max_tokens=max(64, max_tokens), temperature=1.0, seed=7)
-
-        tensors = await anyio.to_thread.run_sync(trainer.published_weights)
+        # 3. a request streaming while a trainer step and its swap run, against the same without
+        long = SamplingParams(max_tokens=max(96, max_tokens), temperature=1.0, seed=7)
         window = [0.0, 0.0]
 
-        async def swap() -> None:  # from its own task, as the trainer does: the reader keeps reading
+        async def step() -> None:
             window[0] = time.perf_counter()
-            await engine.update_weights(tensors, version=engine.weights_version + 1)
+            await trainer.step(batch)
             window[1] = time.perf_counter()
 
-        async def stream_times(swap_after: int | None) -> list[float]:
+        async def stream_times(step_after: int | None) -> list[float]:
             times: list[float] = []
             async with anyio.create_task_group() as group:
                 async for _ in engine.stream(prompts[0], long):
                     times.append(time.perf_counter())
-                    if len(times) == swap_after:
-                        group.start_soon(swap)
+                    if len(times) == step_after:
+                        group.start_soon(step)
             return times
 
         quiet = await stream_times(None)
         gaps = [b - a for a, b in zip(quiet, quiet[1:])]
-        out["gap"] = med(gaps) if gaps else float("nan")
+        out["decode_step_s"] = med(gaps)
         times = await stream_times(8)
         t0, t1 = window
-        out["swap_wall"] = t1 - t0  # includes any wait for the engine to let the swap in
-        straddling = [b - a for a, b in zip(times, times[1:]) if b >= t0 and a <= t1] or [b - a for a, b in zip(times, times[1:])]
-        out["stall"] = max(straddling) if straddling else float("nan")
-        out["mixed"] = getattr(engine, "mixed_completions", "-")
-        print(f"{which}: stall {out['stall']:.3f}s during a swap (the swap call took {out['swap_wall']:.3f}s with its "
-              f"wait), median gap {out['gap']:.4f}s")  # fmt: skip
+        during = [b - a for a, b in zip(times, times[1:]) if b >= t0 and a <= t1] or [b - a for a, b in zip(times, times[1:])]
+        out["stall_s"] = max(during)
+        out["stall_ratio"] = out["stall_s"] / out["decode_step_s"]
+        out["step_and_swap_wall_s"] = t1 - t0 if t1 else None
+        out["mixed_completions"] = getattr(engine, "mixed_completions", None)
+        print(f"{which}: longest gap {out['stall_s']:.3f}s while a step + swap ran ({out['step_and_swap_wall_s']}s), median decode step "
+              f"{out['decode_step_s']:.4f}s")  # fmt: skip
         tg.cancel_scope.cancel()
-    del trainer
     return out
 
 
