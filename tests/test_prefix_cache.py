@@ -188,24 +188,33 @@ async def test_a_swap_invalidates_every_entry_and_the_turn_records_its_version(c
 
 
 @running
-async def test_a_request_arriving_while_a_batch_runs_reuses_the_cache(cached, plain):
+async def test_a_request_joining_a_running_batch_reuses_the_cache(cached, plain):
     prompt = [1, 5, 6, 7, 8, 9, 10]
     first, _ = await both(cached, plain, prompt)
     follow_up = prompt + first.response_ids + [3, 4]
-    long = SamplingParams(max_tokens=60, temperature=1.0, seed=3)
-    results = {}
+    long = SamplingParams(max_tokens=60, temperature=1.0, seed=4)  # this seed runs to the length limit
+    results, order = {}, []
+
+    async def early(engine):
+        results[engine, "long"] = await engine.generate([1, 20, 21], long)
+        order.append((engine, "long"))
 
     async def late(engine):
-        while not engine.active:
+        while not engine.generated_tokens or not engine.active:  # the long one is decoding
             await anyio.sleep(0.001)
         results[engine] = await engine.generate(follow_up, GREEDY)
+        order.append((engine, "late"))
 
     for engine in (cached, plain):
         async with anyio.create_task_group() as tg:
-            tg.start_soon(engine.generate, [1, 20, 21], long)
+            tg.start_soon(early, engine)
             tg.start_soon(late, engine)
+        # it joined the running batch: done while the long one still decoded
+        assert results[engine, "long"].finish_reason == "length"
+        assert order[-2:] == [(engine, "late"), (engine, "long")]
     assert results[cached].cached_tokens == len(prompt) + len(first.response_ids) - 1
     assert_same(results[cached], results[plain])
+    assert_same(results[cached, "long"], results[plain, "long"])
 
 
 # -- end to end -------------------------------------------------------------------------------

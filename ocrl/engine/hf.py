@@ -2,8 +2,10 @@
 
 Requests queue in arrival order; the scheduler takes up to `max_batch_size` of them, left-pads
 the prompts, prefills them together and decodes them step by step, dropping rows from the cache
-as they finish. A request that arrives while a batch runs waits for the next batch. Each decode
-step runs in a worker thread, so the event loop stays free between steps.
+as they finish. A request that arrives while a batch runs joins it between two decode steps
+(prefilled on its own, then both caches left-padded to one width and stacked), room permitting
+and unless a swap or a scoring pass waits for the weights: those go first, once the batch
+drains. Each decode step runs in a worker thread, so the event loop stays free between steps.
 
 Log-probs are taken from the raw logits (log_softmax in fp32, before temperature or top-p), so
 they equal a teacher-forced forward of the same tokens. Weight swaps wait for the batch in
@@ -154,11 +156,7 @@ class HFEngine:
         version = self.weights_version
         self.active = len(batch)
         try:
-            for request in batch:
-                if request.max_new == 0:
-                    request.finish = "length"
-                    self._finish(request, version)
-            live = [r for r in batch if r.finish is None]
+            live = self._startable(batch, version)
             if not live:
                 return
             state = await anyio.to_thread.run_sync(self._prefill, live)
@@ -179,6 +177,12 @@ class HFEngine:
                     return
                 await anyio.to_thread.run_sync(self._decode, state, [picked[i][0] for i in keep], keep, len(live))
                 live = [live[i] for i in keep]
+                joining = self._startable(self._joiners(len(live)), version)
+                if joining:
+                    batch += joining  # theirs to fail too, should the batch fail
+                    state = await anyio.to_thread.run_sync(self._join, state, joining)
+                    live += joining
+                    self.active = len(live)
         except Exception as e:  # one bad batch fails its requests, never the engine
             log.exception("generation failed")
             for request in batch:
@@ -186,6 +190,26 @@ class HFEngine:
                     self._send(request, _Failure(token_ids=[], logprobs=[], text="", error=f"{type(e).__name__}: {e}"))
         finally:
             self.active = 0
+
+    def _startable(self, requests: list[_Request], version: int) -> list[_Request]:
+        """The requests that need the model; those with no room for a token finish at once."""
+        for request in requests:
+            if request.max_new == 0:
+                request.finish = "length"
+                self._finish(request, version)
+        return [r for r in requests if r.finish is None]
+
+    def _joiners(self, running: int) -> list[_Request]:
+        """Queued requests that may join the running batch: room permitting, and only while
+        nothing else waits for the weights (a swap would otherwise wait as long as traffic lasts)."""
+        joiners: list[_Request] = []
+        if self._model_lock.statistics().tasks_waiting:
+            return joiners
+        while self._pending and running + len(joiners) < self.max_batch_size:
+            request = self._pending.popleft()
+            if not request.closed:
+                joiners.append(request)
+        return joiners
 
     def _send(self, request: _Request, chunk: TokenChunk) -> None:
         try:
@@ -272,6 +296,27 @@ class HFEngine:
             logits_to_keep=1,
         )
         return {"cache": cache, "mask": mask, "next_position": positions[:, -1] + 1, "logits": out.logits[:, -1]}
+
+    @torch.inference_mode()
+    def _join(self, running: dict, joining: list[_Request]) -> dict:
+        """The running state with the joining requests' prefill stacked under it: every row
+        left-padded to the wider width (the mask hides the pads; positions are per row)."""
+        new = self._prefill(joining)
+        width = max(running["mask"].shape[1], new["mask"].shape[1])
+
+        def left_pad(t: torch.Tensor, dim: int) -> torch.Tensor:  # zeros before, along dim (from the end)
+            missing = width - t.shape[dim]
+            return torch.nn.functional.pad(t, (0, 0) * (-dim - 1) + (missing, 0)) if missing else t
+
+        for old_layer, new_layer in zip(running["cache"].layers, new["cache"].layers):
+            old_layer.keys = torch.cat([left_pad(old_layer.keys, -2), left_pad(new_layer.keys, -2)])  # (B, H, W, D)
+            old_layer.values = torch.cat([left_pad(old_layer.values, -2), left_pad(new_layer.values, -2)])
+        return {
+            "cache": running["cache"],
+            "mask": torch.cat([left_pad(running["mask"], -1), left_pad(new["mask"], -1)]),  # (B, W)
+            "next_position": torch.cat([running["next_position"], new["next_position"]]),
+            "logits": torch.cat([running["logits"], new["logits"]]),
+        }
 
     @torch.inference_mode()
     def _keep_rows(self, state: dict, batch: list[_Request], rows: list[int], version: int) -> None:
