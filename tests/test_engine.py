@@ -189,3 +189,30 @@ async def test_queue_bound_answers_busy():
         with pytest.raises(EngineBusy):
             await streams[2].__anext__()
         tg.cancel_scope.cancel()
+
+
+@running
+async def test_a_waiting_swap_closes_the_running_batch_to_newcomers(engine):
+    """Requests join a running batch, but not once a swap waits for the weights: the swap
+    lands when the batch drains, and a later request is served by the new version."""
+    new = {name: p.detach() + 0.05 for name, p in engine.model.named_parameters()}
+    results = {}
+
+    async def long():  # greedy on this prompt runs to the length limit
+        results["long"] = await engine.generate([1, 20, 21], SamplingParams(max_tokens=60, temperature=0))
+
+    async def swap_then_request():
+        while not engine.generated_tokens:
+            await anyio.sleep(0.001)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(engine.update_weights, new, 1)
+            while not engine._model_lock.statistics().tasks_waiting:
+                await anyio.sleep(0.001)
+            results["late"] = await engine.generate(PROMPTS[0], SamplingParams(max_tokens=3, temperature=0))
+
+    with anyio.fail_after(60):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(long)
+            tg.start_soon(swap_then_request)
+    assert results["long"].weights_version == 0 and len(results["long"].response_ids) == 60
+    assert results["late"].weights_version == 1
