@@ -235,3 +235,32 @@ async def test_the_next_turn_reports_its_cached_prompt_tokens(daemon):
     assert second.usage.prompt_tokens_details.cached_tokens < second.usage.prompt_tokens
     stats = daemon.stats()["engine"]["prefix_cache"]
     assert stats["hits"] >= 1 and 0 < stats["bytes"] <= stats["max_bytes"]
+
+
+# -- the trainer's reference pass ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("full_finetune", [False, True])
+def test_the_reference_reuses_a_sessions_earlier_turns_and_gives_the_same_logprobs(full_finetune):
+    from ocrl.config import Config
+    from ocrl.train.trainer import Trainer
+    from ocrl.types import Sample
+
+    model = tiny_engine().model
+    config = dict(rollout_batch_size=2, lora_rank=4, lora_alpha=8, save_interval=0, full_finetune=full_finetune)
+    cached = Trainer(Config(**config, prefix_cache="64MB"), model, engine=None, yield_to=None)
+    plain = Trainer(Config(**config, prefix_cache="off"), model, engine=None, yield_to=None)
+    assert cached.reference_prefix.enabled and not plain.reference_prefix.enabled
+    tokens, samples = [1, 5, 6, 7, 8, 9, 10], []
+    for turn in range(3):  # each turn's prompt is the previous turn's prompt + response + more
+        response = [11 + turn, 12, 13, 14]
+        tokens = tokens + response
+        samples.append(Sample(sample_id=str(turn), session_id="s", turn_index=turn, tokens=list(tokens), response_length=4,
+                              loss_mask=[1] * 4, rollout_logprobs=[-1.0] * 4, reward=1.0, weights_version=0, score=1))
+        tokens = tokens + [3, 4, 20 + turn]
+    with_cache = cached.response_logprobs(samples, reference=True)
+    without = plain.response_logprobs(samples, reference=True)
+    for a, b in zip(with_cache, without):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+    # turns 2 and 3 computed only what turn 1 and 2 had not: the whole earlier sequence was kept
+    assert cached.reference_prefix.cache.hit_tokens == len(samples[0].tokens) + len(samples[1].tokens)

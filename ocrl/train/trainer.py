@@ -69,6 +69,7 @@ from ocrl.train.loss import (
     token_logprobs,
     topk_reverse_kl,
 )
+from ocrl.train.reference_prefix import ReferencePrefix
 from ocrl.types import Progress, Sample, TrainStep, WeightsSwapped
 
 log = logging.getLogger("ocrl.train")
@@ -304,6 +305,8 @@ class Trainer:
         self.verify_atol = verify_atol  # fp32 engines agree to ~1e-6; a bf16 engine needs more
         self.lora = config.lora_rank > 0 and not config.full_finetune
         self.model, self.reference = self._build(model)
+        # the reference never changes: its KV for a session's earlier turn serves the next turn
+        self.reference_prefix = ReferencePrefix(getattr(config, "prefix_cache", "0"), self.device)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
             self.params, lr=config.lr, betas=(0.9, 0.98), weight_decay=config.weight_decay
@@ -410,17 +413,19 @@ class Trainer:
     def response_logprobs(self, samples: list[Sample], *, reference: bool = False) -> list[torch.Tensor]:
         """Teacher-forced log-probs of each sample's response, one (R,) tensor per sample,
         under the trained policy or (reference=True) the reference. One sample at a time, so
-        there is no padding and the numbers match the engine's `score`."""
+        there is no padding and the numbers match the engine's `score`. The reference reuses its
+        own work on a session's earlier turns (see reference_prefix.py)."""
         out = []
         for sample in samples:
-            batch = _MicroBatch.of([sample], self.device)
-            if reference:
-                model, mode = self._reference_mode()
-                with mode:
-                    logprobs, _ = self._forward(model, batch)
-            else:
-                logprobs, _ = self._forward(self.model, batch)
-            out.append(logprobs[0].cpu())
+            if not reference:
+                out.append(self._forward(self.model, _MicroBatch.of([sample], self.device))[0][0].cpu())
+                continue
+            model, mode = self._reference_mode()
+            with mode:
+                if self.reference_prefix.enabled:
+                    out.append(self.reference_prefix.logprobs(model, sample).cpu())
+                else:
+                    out.append(self._forward(model, _MicroBatch.of([sample], self.device))[0][0].cpu())
         return out
 
     @torch.no_grad()
