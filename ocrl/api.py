@@ -82,7 +82,7 @@ class ChatRequest(msgspec.Struct):
     top_logprobs: Annotated[int, msgspec.Meta(ge=0, le=20)] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    n: int = 1
+    n: Annotated[int, msgspec.Meta(ge=1, le=16)] = 1  # several samples of one prompt: a group (sessions.py)
     session_id: str | None = None
     turn_type: Literal["main", "side"] | None = None
     session_done: bool | None = None
@@ -133,8 +133,6 @@ def decode_request(body: bytes) -> ChatRequest:
         raise ApiError(400, f"malformed JSON body: {e}") from None
     if not request.messages:
         raise ApiError(400, "`messages` must contain at least one message", param="messages")
-    if request.n != 1:
-        raise ApiError(400, "only n=1 is supported", param="n")
     for i, message in enumerate(request.messages):
         if message.content is None and not (message.role == "assistant" and message.tool_calls):
             raise ApiError(400, f"messages[{i}] ({message.role}) needs `content`", param=f"messages[{i}].content")

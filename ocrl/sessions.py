@@ -9,6 +9,13 @@ Rules (DESIGN.md, "The method"):
   unless it is the session's only main turn.
 - Every main turn yields exactly one sample: at its verdict, or at session end if it never got
   a next state.
+- n > 1 (several samples of one prompt) opens a group in the session's next main-turn slot.
+  The candidate the next main request continues (found by prefix: its reply is in that
+  request's messages; candidate 0 when none is, or when the session ends first) becomes the main
+  turn: it gets the next state, the verdict and the sample, as with n = 1. Its siblings never
+  get a next state of their own, so they are submitted at once with mask 0 (recorded with their
+  `choice` and `group_size` for inspection, never trained on): the judge scores a reply from
+  what followed it, and only one reply was followed.
 - --method opd|combine (see `Distill`): the hint judge votes beside (combine) or instead of
   (opd) the PRM, and a turn with a hint carries the teacher's prompt in its sample.
 
@@ -61,6 +68,7 @@ class _MainTurn:
     turn: Turn
     state: str = "open"  # open -> judging -> submitted
     next_state: Message | None = None
+    candidates: list[Turn] = field(default_factory=list)  # n > 1, until one is continued; `turn` is then that one
 
 
 @dataclass
@@ -110,7 +118,8 @@ def response_message(text: str, tool_calls: list[dict]) -> Message:
 
 
 def sample_id(session: Session, turn: Turn) -> str:
-    return f"{turn.session_id}:{session.uid}:{turn.index}"
+    group = f"/{turn.choice}" if turn.group_size > 1 else ""
+    return f"{turn.session_id}:{session.uid}:{turn.index}{group}"
 
 
 JudgeFn = Callable[[str, str, str], Awaitable[Verdict]]
@@ -192,48 +201,97 @@ class Sessions:
         session = self._session(session_id)
         session.last_seen = time.monotonic()
         if turn_type == "main" and session.turns and session.turns[-1].state == "open":
+            if session.turns[-1].candidates:
+                self._choose(session, session.turns[-1], messages)
             # The last message of this request is the next state of the previous main turn.
             self._close_turn(session, session.turns[-1], self.clients.strip(messages[-1]))
         return Ticket(session_id, turn_type, session_done, messages, tools)
 
     def complete(self, ticket: Ticket, completion: Completion) -> Turn:
+        return self.complete_group(ticket, [completion])[0]
+
+    def complete_group(self, ticket: Ticket, completions: list[Completion]) -> list[Turn]:
+        """Keeps a served turn; with several completions (n > 1), a group of candidates that
+        shares one main-turn slot until the next request shows which one was continued."""
         session = self._session(ticket.session_id)
         main = ticket.turn_type == "main" and not session.closed
-        turn = Turn(
-            session_id=ticket.session_id,
-            index=len(session.turns) if main else -1,
-            turn_type="main" if main else "side",
-            messages=ticket.messages,
-            prompt_ids=completion.prompt_ids,
-            response_ids=completion.response_ids,
-            logprobs=completion.logprobs,
-            response_text=completion.text,
-            finish_reason=completion.finish_reason,
-            weights_version=completion.weights_version,
-            session_uid=session.uid if main else "",
-            tools=ticket.tools,
-        )
+        n = len(completions)
+        turns = [
+            Turn(
+                session_id=ticket.session_id,
+                index=len(session.turns) if main else -1,
+                turn_type="main" if main else "side",
+                messages=ticket.messages,
+                prompt_ids=completion.prompt_ids,
+                response_ids=completion.response_ids,
+                logprobs=completion.logprobs,
+                response_text=completion.text,
+                finish_reason=completion.finish_reason,
+                weights_version=completion.weights_version,
+                session_uid=session.uid if main else "",
+                tools=ticket.tools,
+                choice=k,
+                group_size=n,
+            )
+            for k, completion in enumerate(completions)
+        ]
         if self.records:  # a main turn that cannot be kept raises DiskFull here, before it counts
-            self.records.turn(turn)
+            for turn in turns:
+                self.records.turn(turn)
         if main:
-            session.turns.append(_MainTurn(turn))
-            content, calls = self.parse_response(completion.text)
-            self._index(session, ticket.messages, response_message(content or "", calls))
+            session.turns.append(_MainTurn(turns[0], candidates=turns if n > 1 else []))
+            for turn in reversed(turns):  # candidate 0 last: it is the group's reply when threading by reply
+                content, calls = self.parse_response(turn.response_text)
+                self._index(session, ticket.messages, response_message(content or "", calls))
             self.counters["main_turns"] += 1
+            if n > 1:
+                self.counters["group_candidates"] += n
         else:
-            session.side_turns += 1
-            self.counters["side_turns"] += 1
+            session.side_turns += n
+            self.counters["side_turns"] += n
         if self.events:
             seconds = time.monotonic() - ticket.started
-            self.events.publish(
-                TurnServed(
-                    session_id=turn.session_id, index=turn.index, turn_type=turn.turn_type, prompt_tokens=len(turn.prompt_ids),
-                    completion_tokens=len(turn.response_ids), weights_version=turn.weights_version, seconds=seconds,
+            for turn in turns:
+                self.events.publish(
+                    TurnServed(
+                        session_id=turn.session_id, index=turn.index, turn_type=turn.turn_type, prompt_tokens=len(turn.prompt_ids),
+                        completion_tokens=len(turn.response_ids), weights_version=turn.weights_version, seconds=seconds,
+                    )
                 )
-            )
         if ticket.session_done:
             self.close(session.session_id)
-        return turn
+        return turns
+
+    def _reply_key(self, turn: Turn, alone: bool = False) -> str:
+        """The prefix a request continuing this turn starts with: its messages and its reply
+        (`alone`: the reply only, as `_index` keeps it for rewritten histories)."""
+        content, calls = self.parse_response(turn.response_text)
+        reply = response_message(content or "", calls)
+        return prefix_key([reply] if alone else turn.messages + [reply])
+
+    def _choose(
+        self, session: Session, main_turn: _MainTurn, messages: list[Message] | None, *, prefer: Turn | None = None,
+        journaled: dict[str, bool] | None = None,
+    ) -> None:
+        """n > 1: the candidate `messages` continue becomes the main turn (candidate 0 when none
+        is continued); its siblings are submitted now with mask 0: no next state is theirs.
+        (Restoring: `prefer` is the candidate known to have been chosen; siblings already
+        `journaled` are not submitted twice.)"""
+        messages = messages or []
+        keys = {prefix_key(messages[:end]) for end in range(1, len(messages) + 1) if messages[end - 1].role == "assistant"}
+        replies = {prefix_key([m]) for m in messages if m.role == "assistant"}  # a rewritten history keeps the reply only
+        chosen = (
+            prefer
+            or next((t for t in main_turn.candidates if self._reply_key(t) in keys), None)
+            or next((t for t in main_turn.candidates if self._reply_key(t, alone=True) in replies), main_turn.candidates[0])
+        )
+        siblings = [t for t in main_turn.candidates if t is not chosen]
+        main_turn.turn, main_turn.candidates = chosen, []
+        for sibling in siblings:
+            if journaled is not None and sample_id(session, sibling) in journaled:
+                continue
+            self.counters["group_siblings"] += 1
+            self._emit(session, _MainTurn(sibling), score=None, mask=0, reward=0.0, votes=[], promoted=False)
 
     def abort(self, ticket: Ticket) -> None:
         self.counters["aborted_turns"] += 1
@@ -248,6 +306,8 @@ class Sessions:
         session.closed = True
         if session.turns and session.turns[-1].state == "open":
             last = session.turns[-1]
+            if last.candidates:  # never continued: candidate 0 stands for the group
+                self._choose(session, last, None)
             only = len(session.turns) == 1 and self.method != "opd"  # opd: no next state, no hint, nothing to learn
             self._emit(session, last, score=None, mask=1 if only else 0, reward=0.0, votes=[], promoted=False)
         self._release_held(session)
@@ -432,6 +492,8 @@ class Sessions:
             experience=list(experience),
             hint_votes=hint.votes if hint else [],
             teacher_prompt_ids=teacher_prompt_ids,
+            choice=turn.choice,
+            group_size=turn.group_size,
         )
         if mask:
             session.effective += 1
@@ -450,34 +512,42 @@ class Sessions:
         arrived is judged again; the open last turn of a session waits for its next request (by
         session id, or by prefix when text was recorded) or for the idle timeout, as before.
         `journaled` maps sample id -> effective. Call before `run`; returns what it did."""
-        groups: dict[tuple[str, str], dict[int, Turn]] = {}
+        groups: dict[tuple[str, str], dict[int, list[Turn]]] = {}
         for turn in sorted(turns, key=lambda t: t.created):
             if turn.turn_type == "main" and turn.session_uid:
-                groups.setdefault((turn.session_id, turn.session_uid), {})[turn.index] = turn
+                groups.setdefault((turn.session_id, turn.session_uid), {}).setdefault(turn.index, []).append(turn)
         done: Counter = Counter()
         for (session_id, uid), by_index in groups.items():
-            ordered = [by_index[i] for i in sorted(by_index)]
+            # a slot holds one turn, or (n > 1) the candidates of one prompt, by choice
+            slots = [sorted({t.choice: t for t in by_index[i]}.values(), key=lambda t: t.choice) for i in sorted(by_index)]
             session = Session(session_id, uid=uid)
-            ids = [sample_id(session, t) for t in ordered]
-            if all(i in journaled for i in ids):
+            every_id = [sample_id(session, t) for slot in slots for t in slot]
+            if all(i in journaled for i in every_id):
                 continue
-            if [t.index for t in ordered] != list(range(len(ordered))):
-                log.warning("session %s: recorded main turns %s have gaps; restoring what is there", session_id, [t.index for t in ordered])
+            if [slot[0].index for slot in slots] != list(range(len(slots))):
+                log.warning("session %s: recorded main turns %s have gaps; restoring what is there", session_id, [slot[0].index for slot in slots])
             if session_id in self.sessions:  # the id was reused: the older session ends here
                 self.close(session_id)
-            session.effective = sum(journaled.get(i, False) for i in ids)
+            session.effective = sum(journaled.get(i, False) for i in every_id)
             self.sessions[session_id] = session
             self.counters["sessions_restored"] += 1
-            for k, (turn, sid) in enumerate(zip(ordered, ids)):
-                main_turn = _MainTurn(turn)
+            for k, slot in enumerate(slots):
+                main_turn = _MainTurn(slot[0], candidates=slot if len(slot) > 1 else [])
                 session.turns.append(main_turn)
-                if turn.messages and turn.response_text is not None:
-                    content, calls = self.parse_response(turn.response_text)
-                    self._index(session, turn.messages, response_message(content or "", calls))
+                for turn in reversed(slot):
+                    if turn.messages and turn.response_text is not None:
+                        content, calls = self.parse_response(turn.response_text)
+                        self._index(session, turn.messages, response_message(content or "", calls))
+                later = slots[k + 1][0] if k + 1 < len(slots) else None
+                if main_turn.candidates:
+                    continued = next((t for t in slot if sample_id(session, t) in next_states or journaled.get(sample_id(session, t))), None)
+                    if continued is not None or later is not None:  # the group was resolved before the crash
+                        self._choose(session, main_turn, [] if continued else later.messages, prefer=continued, journaled=journaled)
+                turn = main_turn.turn
+                sid = sample_id(session, turn)
                 if sid in journaled:
                     main_turn.state = "submitted"
                     continue
-                later = ordered[k + 1] if k + 1 < len(ordered) else None
                 next_state = next_states.get(sid) or (later.messages[-1] if later and later.messages else None)
                 if next_state is not None and next_state.content is not None and turn.messages:  # text recorded
                     self._close_turn(session, main_turn, next_state, record=sid not in next_states)

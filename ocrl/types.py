@@ -81,6 +81,8 @@ class Turn(msgspec.Struct, kw_only=True):
     created: float = msgspec.field(default_factory=time.time)
     session_uid: str = ""  # tells apart two sessions that reused one id; part of the sample id
     tools: list[dict] | None = None  # the tools the prompt was rendered with (a teacher prompt re-renders it)
+    choice: int = 0  # n > 1: this candidate's place among the samples of one prompt
+    group_size: int = 1  # n: how many candidates were sampled for this prompt
 
 
 class Vote(msgspec.Struct):
@@ -135,6 +137,8 @@ class Sample(msgspec.Struct, kw_only=True):
     experience: list[str] = []  # earlier hints given to the teacher as context (--experience)
     hint_votes: list[Vote] = []
     teacher_prompt_ids: list[int] | None = None  # set when the sample carries a distillation signal
+    choice: int = 0  # n > 1: which candidate of its group this is (see Turn)
+    group_size: int = 1
 
     @property
     def effective(self) -> bool:

@@ -141,7 +141,8 @@ def _error(reply, status: int) -> dict:
         ('{"messages": [{"role": "wizard", "content": "hi"}]}', "messages[0].role"),
         ('{"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}', "temperature"),
         ('{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}', "max_tokens"),
-        ('{"messages": [{"role": "user", "content": "hi"}], "n": 3}', "n"),
+        ('{"messages": [{"role": "user", "content": "hi"}], "n": 0}', "n"),
+        ('{"messages": [{"role": "user", "content": "hi"}], "n": 17}', "n"),
         ('[1, 2]', None),
     ],
 )
