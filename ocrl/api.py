@@ -1,5 +1,6 @@
 """The OpenAI-compatible HTTP surface: /v1/chat/completions (+SSE), /v1/models, /healthz and
-/v1/ocrl/*; /v1/responses (responses.py) is served through the same chat pipeline.
+/v1/ocrl/*; /v1/responses (responses.py) and /v1/completions (completions.py) are served
+through the same pipeline.
 
 Requests are decoded into msgspec Structs (decoding is the validation); every failure answers in
 OpenAI's error shape and changes nothing else. The API turns messages into prompt ids (chat.py),
@@ -175,15 +176,18 @@ class Api:
         self.served_name = config.served_model_name or engine.name
         self.started = time.time()
         self.in_flight = 0
-        from ocrl.responses import Responses  # it builds on this module
+        from ocrl.completions import Completions  # these build on this module
+        from ocrl.responses import Responses
 
         self.responses = Responses(self)
+        self.completions = Completions(self)
         self.app = Starlette(
             routes=[
                 Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
                 Route("/v1/models", self.models, methods=["GET"]),
                 Route("/v1/models/{model_id:path}", self.model, methods=["GET"]),
                 Route("/v1/responses", self.responses.create, methods=["POST"]),
+                Route("/v1/completions", self.completions.create, methods=["POST"]),
                 Route("/v1/responses/{response_id}", self.responses.retrieve, methods=["GET"]),
                 Route("/healthz", self.healthz, methods=["GET"]),
                 Route("/v1/ocrl/stats", self.ocrl_stats, methods=["GET"]),
