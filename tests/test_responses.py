@@ -165,3 +165,25 @@ async def test_a_responses_session_is_judged_like_chat(judged_daemon):
     assert by_turn[0]["rollout_logprobs"] and len(by_turn[0]["rollout_logprobs"]) == by_turn[0]["response_length"]
     assert by_turn[0]["next_state"].startswith("Great choice") and by_turn[0]["next_state_role"] == "user"
     assert by_turn[1]["score"] is None  # the session ended on it
+
+
+async def test_openclaw_responses_mode_bodies_replay_into_one_session(daemon):
+    """OpenClaw's own `openai-responses` requests (captured from the real CLI): its first turn, then
+    its second with our reply in the history, streamed as OpenClaw asks; one session, two turns."""
+    from pathlib import Path
+
+    body = json.loads((Path(__file__).parent / "data" / "openclaw" / "responses_turn2.json").read_text())["body"]
+    system, first_user, _, second_user = body["input"]
+    assert body["stream"] is True and body["store"] is False and [t["type"] for t in body["tools"]] == ["function", "function"]
+    # OpenClaw's ~2k-token system prompt, cut to its first line to keep the test short; the shapes stay
+    system = {**system, "content": [{**system["content"][0], "text": system["content"][0]["text"].split("\n")[1]}]}
+    async with daemon.client() as client:
+        events = [e async for e in await client.responses.create(**{**body, "input": [system, first_user], "max_output_tokens": 3})]
+        first = events[-1].response
+        ours = {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": first.output_text, "annotations": []}]}
+        events2 = [e async for e in await client.responses.create(**{**body, "input": [system, first_user, ours, second_user], "max_output_tokens": 2})]
+    assert [e.type for e in events][:2] == ["response.created", "response.in_progress"]
+    assert events[-1].type == "response.incomplete" and first.incomplete_details.reason == "max_output_tokens"
+    second = events2[-1].response
+    assert second.model_extra["ocrl"]["session_id"] == first.model_extra["ocrl"]["session_id"]
+    assert (first.model_extra["ocrl"]["turn_index"], second.model_extra["ocrl"]["turn_index"]) == (0, 1)
