@@ -7,13 +7,18 @@ repeats, because timings on shared machines swing several-fold between runs.
   (b) a weight swap into the engine over one forward pass of the model; (c) for a request
   already streaming when a step starts, its longest gap between tokens over the median decode
   step without training; (d) for a request that arrives while a step is inside a micro-batch,
-  its time to first token over the same without training.
+  its time to first token over the same without training; (e) on long agent samples (bench_agent):
+  step time per 1k prompt tokens, and the reference pass with and without its prefix cache.
 - `soak`: many concurrent sessions for a while through the real HTTP API (training on unless
   --no-train): failed requests, latency, resident memory at the end over once warm, and every
   main turn's sample accounted for in the run directory.
 - `serve`: (a) the proxy's median end-to-end latency over calling the engine directly with the
   same prompt and sampling (the overhead of HTTP, validation, templating, sessions); (b) the wall
-  time of 8 concurrent requests over 8 sequential ones (what batched decoding buys).
+  time of 8 concurrent requests over 8 sequential ones (what batched decoding buys); (c) agent
+  traffic as OpenClaw sends it (a ~3k-token system prompt with tools, the whole conversation
+  re-sent each turn, ~300 tokens more per turn, 6 turns): time to first token of turns 2-6 with
+  the engine's prefix cache over the same turns without it, sessions interleaved, and the memory
+  the cache held.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import time
 import anyio
 import msgspec
 
-from ocrl import chat
+from ocrl import bench_agent, chat
 from ocrl.types import Message, SamplingParams
 
 PROMPTS = [
@@ -115,6 +120,7 @@ async def bench_serve(config, repeats: int, max_tokens: int) -> None:
                     for prompt in PROMPTS:
                         burst.start_soon(proxied, client, prompt)
                 concurrent.append(time.perf_counter() - started)
+            agent_rows = await bench_agent.serve_rows(client, url, headers, engine, tokenizer, repeats)
         daemon.server.should_exit = True
     engine_med, proxy_med = statistics.median(engine_s), statistics.median(proxy_s)
     seq_med, conc_med = statistics.median(sequential), statistics.median(concurrent)
@@ -123,6 +129,7 @@ async def bench_serve(config, repeats: int, max_tokens: int) -> None:
     print(f"  proxy / engine latency      {proxy_med / engine_med:6.3f}x   ({proxy_med * 1000:.0f} ms vs {engine_med * 1000:.0f} ms)")
     print(f"  proxy overhead              {overhead * 100:6.2f}% of end-to-end latency (target <= 5%)")
     print(f"  8 concurrent / 8 sequential {conc_med / seq_med:6.3f}x   ({conc_med:.2f} s vs {seq_med:.2f} s; target <= 0.5x)")
+    print("\n".join(agent_rows))
 
 
 async def bench_soak(config, *, sessions: int, seconds: float, max_tokens: int) -> None:
@@ -222,6 +229,11 @@ async def bench_train(config, repeats: int, max_tokens: int) -> None:
             await engine.score(prompt, response)
             forward_s.append(time.perf_counter() - started)
 
+        # 2b. long agent samples: step time per 1k prompt tokens, the reference with its prefix cache
+        long_samples = await bench_agent.agent_samples(engine, loaded.tokenizer)
+        agent_rows = await anyio.to_thread.run_sync(bench_agent.train_rows, trainer, long_samples, max(1, repeats // 2))
+        trainer.probe = batch[0]
+
         # 3. requests while a step runs, against the same requests without training
         story = chat.prompt_ids(loaded.tokenizer, [Message(role="user", content="Write a long story about the sea.")])
 
@@ -293,3 +305,4 @@ async def bench_train(config, repeats: int, max_tokens: int) -> None:
     print(f"  arriving mid-micro-batch: first token / quiet first token  {med(busy_first) / med(quiet_first):6.2f}x   "
           f"({med(busy_first) * 1000:.0f} ms vs {med(quiet_first) * 1000:.0f} ms, worst {max(busy_first) * 1000:.0f} ms; "
           f"its longest gap {max(busy_gap) / decode:.2f}x decode)")
+    print("\n".join(agent_rows))

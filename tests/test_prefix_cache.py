@@ -264,3 +264,19 @@ def test_the_reference_reuses_a_sessions_earlier_turns_and_gives_the_same_logpro
         torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
     # turns 2 and 3 computed only what turn 1 and 2 had not: the whole earlier sequence was kept
     assert cached.reference_prefix.cache.hit_tokens == len(samples[0].tokens) + len(samples[1].tokens)
+
+
+def test_the_agent_bench_sends_openclaw_shaped_prompts(embedded):
+    """bench serve's agent row: a ~3k-token system prompt with tools, ~300 tokens more a turn."""
+    import random
+
+    from ocrl import chat
+    from ocrl.bench_agent import agent_system, tool_output
+    from ocrl.types import Message
+
+    system, tools = agent_system(random.Random(0))
+    messages = [Message(role="system", content=system), Message(role="user", content="Fix the failing test.")]
+    first = len(chat.prompt_ids(embedded.tokenizer, messages, tools))
+    messages += [Message(role="assistant", content="I will read the file first."), Message(role="user", content=tool_output(random.Random(1)))]
+    second = len(chat.prompt_ids(embedded.tokenizer, messages, tools))
+    assert 2700 <= first <= 3300 and 270 <= second - first <= 330
