@@ -26,7 +26,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
-from ocrl import chat
+from ocrl import chat, grammar
 from ocrl.access_log import RequestLog, note
 from ocrl.engine.base import GREEDY_BELOW, EngineBusy, EngineError
 from ocrl.records import DiskFull
@@ -83,6 +83,7 @@ class ChatRequest(msgspec.Struct):
     top_logprobs: Annotated[int, msgspec.Meta(ge=0, le=20)] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
     n: Annotated[int, msgspec.Meta(ge=1, le=16)] = 1  # several samples of one prompt: a group (sessions.py)
     session_id: str | None = None
     turn_type: Literal["main", "side"] | None = None
@@ -318,7 +319,7 @@ class Api:
 
     async def _chat_completions(self, http: Request) -> Response:
         body = decode_request(await self._read_body(http))
-        prepared = self.prepare(body, http)
+        prepared = await self.prepare(body, http)
         if body.stream:
             return StreamingResponse(
                 self._sse(body, prepared), media_type="text/event-stream",
@@ -330,7 +331,7 @@ class Api:
 
     # -- the pipeline every generating route shares ----------------------------------------
 
-    def prepare(self, body: ChatRequest, http: Request) -> Prepared:
+    async def prepare(self, body: ChatRequest, http: Request) -> Prepared:
         """1. receive: validate, separate the session fields from what the model sees, render
         the prompt, open the turn with the sessions."""
         if len(body.messages) > self.config.max_messages:
@@ -342,6 +343,8 @@ class Api:
         except Exception as e:
             raise ApiError(400, f"cannot apply the chat template to these messages: {e}", param="messages") from None
         params = self._sampling(body, self._room(prompt_ids, "messages"))
+        if params.grammar is not None:  # compiled now, so a grammar the engine cannot enforce records nothing
+            await self._prepare(params.grammar)
         headers = http.headers
         turn_type = headers.get("x-turn-type") or body.turn_type
         if turn_type not in (None, "main", "side"):
@@ -422,11 +425,21 @@ class Api:
         note(scope, error=kind)
         return b"data: " + _encoder.encode({"error": {"message": str(e) or "generation timed out", "type": kind, "param": None, "code": None}}) + b"\n\n"
 
+    async def _prepare(self, constraint) -> None:
+        try:
+            await self.engine.prepare(constraint)
+        except grammar.GrammarError as e:
+            raise ApiError(400, str(e), param=e.param) from None
+
     def _sampling(self, body: ChatRequest, room: int) -> SamplingParams:
         wanted = body.max_completion_tokens or body.max_tokens or self.config.default_max_tokens
         stop = body.stop if isinstance(body.stop, list) else ([body.stop] if body.stop else [])
         if len(stop) > 16 or any(not s for s in stop):
             raise ApiError(400, "`stop` takes up to 16 non-empty strings", param="stop")
+        try:
+            constraint = grammar.from_request(body.response_format, body.tools, body.tool_choice)
+        except grammar.GrammarError as e:
+            raise ApiError(400, str(e), param=e.param) from None
         return SamplingParams(
             max_tokens=min(wanted, room),
             # a temperature too small to divide by is greedy (it is, to float precision)
@@ -435,6 +448,7 @@ class Api:
             stop=tuple(stop),
             seed=body.seed,
             top_logprobs=(body.top_logprobs or 0) if body.logprobs else 0,
+            grammar=constraint,
         )
 
     # -- response shapes --------------------------------------------------------------------

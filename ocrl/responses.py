@@ -211,7 +211,7 @@ class Responses:
             "session_id": body.session_id, "turn_type": body.turn_type, "session_done": body.session_done,
         }  # fmt: skip
         request = decode_request(_encoder.encode({k: v for k, v in chat_body.items() if v is not None}))
-        prepared = self.api.prepare(request, http)
+        prepared = await self.api.prepare(request, http)
         shape = _Shape(self.api, body, request, prepared)
         headers = {"X-Session-Id": prepared.ticket.session_id}
         if body.stream:

@@ -16,8 +16,20 @@ FinishReason = Literal["stop", "length", "tool_calls", "abort"]
 TurnType = Literal["main", "side"]
 
 
+class Grammar(msgspec.Struct, frozen=True):
+    """A constraint on a completion's text (built by ocrl.grammar from response_format or
+    tool_choice). `regex` is the language the transformers engine enforces token by token;
+    `json_schema`, when the constraint is a JSON schema, is that schema, which SGLang enforces
+    with its own backend; `source` says what asked for it (for logs and errors)."""
+
+    regex: str
+    source: str
+    json_schema: str | None = None
+
+
 class SamplingParams(msgspec.Struct, frozen=True):
-    """How the engine samples one completion. temperature 0 means greedy."""
+    """How the engine samples one completion. temperature 0 means greedy; a grammar restricts
+    which tokens may be sampled (the recorded log-probs stay those of the unconstrained model)."""
 
     max_tokens: int = 256
     temperature: float = 1.0
@@ -25,6 +37,7 @@ class SamplingParams(msgspec.Struct, frozen=True):
     stop: tuple[str, ...] = ()
     seed: int | None = None
     top_logprobs: int = 0
+    grammar: Grammar | None = None
 
 
 class TopLogprob(msgspec.Struct, array_like=True):

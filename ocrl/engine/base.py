@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import AsyncIterator, Protocol
 
-from ocrl.types import Completion, FinishReason, SamplingParams, TokenChunk, TopLogprob
+from ocrl.types import Completion, FinishReason, Grammar, SamplingParams, TokenChunk, TopLogprob
 
 
 def find_stop(text: str, stops: tuple[str, ...], emitted_chars: int) -> int:
@@ -29,6 +29,14 @@ def ready_end(text: str, stops: tuple[str, ...], emitted_chars: int) -> int:
     if text.endswith("\ufffd"):
         return emitted_chars
     return len(text) - held_back(text, stops)
+
+
+def finished_end(text: str) -> int:
+    """How far `text` is emitted when the completion ends without a stop string (end of text or
+    the token limit): all of it but trailing bytes of a character the tokens never completed.
+    They decode to U+FFFD, which would reach the client as a lone replacement character; the
+    token ids that hold them are still returned and trained on."""
+    return len(text.rstrip("\ufffd"))
 
 
 def held_back(text: str, stops: tuple[str, ...]) -> int:
@@ -72,6 +80,10 @@ class Engine(Protocol):
     def stream(self, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[TokenChunk]: ...
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Completion: ...
+
+    async def prepare(self, grammar: Grammar) -> None:
+        """Readies a grammar before its request is accepted; raises ocrl.grammar.GrammarError
+        when this engine cannot enforce it."""
 
     async def update_weights(self, named_tensors: dict, version: int) -> float: ...
 

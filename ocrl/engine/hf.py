@@ -34,9 +34,10 @@ import anyio
 import torch
 
 from ocrl.engine import prefix_cache
-from ocrl.engine.base import GREEDY_BELOW, EngineBusy, EngineError, Final, collect, find_stop, ready_end
+from ocrl.engine.base import GREEDY_BELOW, EngineBusy, EngineError, Final, collect, find_stop, finished_end, ready_end
 from ocrl.faults import crash_point
-from ocrl.types import Completion, FinishReason, SamplingParams, TokenChunk, TopLogprob
+from ocrl.grammar import Grammars, Matcher
+from ocrl.types import Completion, FinishReason, Grammar, SamplingParams, TokenChunk, TopLogprob
 
 log = logging.getLogger("ocrl.engine")
 
@@ -57,6 +58,7 @@ class _Request:
     cached_tokens: int = 0  # prompt positions served from the prefix cache
     finish: FinishReason | None = None
     closed: bool = False  # the consumer went away
+    matcher: Matcher | None = None  # where the request stands in its grammar, if it has one
 
 
 class HFEngine:
@@ -82,6 +84,7 @@ class HFEngine:
         self.generated_tokens = 0
         self.active = 0
         self._seed_source = random.Random()
+        self.grammars = Grammars(self.tokenizer, self.eos_ids)  # compiled on first use
         self.prefix_cache = prefix_cache.PrefixCache(*prefix_cache.parse_budget(prefix_cache_budget, self.device))
 
     # -- public API -------------------------------------------------------------------------
@@ -98,6 +101,8 @@ class HFEngine:
         generator.manual_seed(params.seed if params.seed is not None else self._seed_source.getrandbits(63))
         room = self.max_context - len(prompt_ids)
         request = _Request(list(prompt_ids), params, send, generator, max(0, min(params.max_tokens, room)))
+        if params.grammar is not None:
+            request.matcher = await anyio.to_thread.run_sync(self.grammars.matcher, params.grammar)
         self._pending.append(request)
         self._work.set()
         try:
@@ -113,6 +118,10 @@ class HFEngine:
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Completion:
         return await collect(self.stream(prompt_ids, params), prompt_ids)
+
+    async def prepare(self, grammar: Grammar) -> None:
+        """Compiles a grammar ahead of its request (GrammarError if it cannot be enforced)."""
+        await anyio.to_thread.run_sync(self.grammars.compile, grammar)
 
     async def score(self, prompt_ids: list[int], response_ids: list[int]) -> list[float]:
         """Teacher-forced log-probs of response_ids after prompt_ids under the served weights."""
@@ -239,10 +248,10 @@ class HFEngine:
             end = stop_at
         elif is_eos:
             request.finish = "stop"
-            end = len(text)
+            end = finished_end(text)
         elif len(request.response_ids) >= request.max_new:
             request.finish = "length"
-            end = len(text)
+            end = finished_end(text)
         else:
             end = ready_end(text, stops, request.emitted_chars)
         delta = text[request.emitted_chars : max(end, request.emitted_chars)]
@@ -368,6 +377,8 @@ class HFEngine:
 
     def _sample_row(self, logits: torch.Tensor, logprobs: torch.Tensor, request: _Request) -> tuple[int, float, list[TopLogprob]]:
         params = request.params  # logits, logprobs: (V,)
+        if request.matcher is not None:  # sample inside the grammar; the log-prob stays the raw one
+            logits = request.matcher.mask(logits)
         if params.temperature < GREEDY_BELOW:
             token = int(torch.argmax(logits))
         else:
@@ -382,6 +393,8 @@ class HFEngine:
         if params.top_logprobs:
             values, indices = torch.topk(logprobs, params.top_logprobs)
             tops = [TopLogprob(int(i), float(v)) for v, i in zip(values, indices)]
+        if request.matcher is not None:
+            request.matcher.advance(token)
         return token, float(logprobs[token]), tops
 
     @torch.inference_mode()

@@ -46,8 +46,8 @@ from typing import AsyncIterator
 
 import anyio
 
-from ocrl.engine.base import EngineBusy, EngineError, Final, collect, find_stop, ready_end
-from ocrl.types import Completion, SamplingParams, TokenChunk, TopLogprob
+from ocrl.engine.base import EngineBusy, EngineError, Final, collect, find_stop, finished_end, ready_end
+from ocrl.types import Completion, Grammar, SamplingParams, TokenChunk, TopLogprob
 
 log = logging.getLogger("ocrl.engine")
 
@@ -275,6 +275,9 @@ class SGLangEngine:
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Completion:
         return await collect(self.stream(prompt_ids, params), prompt_ids)
 
+    async def prepare(self, grammar: Grammar) -> None:
+        """Nothing to do here: SGLang compiles (and caches) the grammar it is given per request."""
+
     def _sampling(self, params: SamplingParams, max_new: int) -> dict:
         sampling = {
             "max_new_tokens": max_new, "temperature": params.temperature, "top_p": params.top_p,
@@ -282,6 +285,11 @@ class SGLangEngine:
         }  # fmt: skip
         if params.seed is not None:
             sampling["sampling_seed"] = params.seed
+        if params.grammar is not None:  # SGLang's own structured output (its grammar backend)
+            if params.grammar.json_schema is not None:
+                sampling["json_schema"] = params.grammar.json_schema
+            else:
+                sampling["regex"] = params.grammar.regex
         return sampling
 
     def _check_alive(self) -> None:
@@ -328,7 +336,7 @@ class SGLangEngine:
                     if drop:  # tokens after the one that completed the stop string: never emitted
                         ids, logprobs, tops = ids[: len(ids) - drop], logprobs[: len(logprobs) - drop], tops[: len(tops) - drop]
                 elif finish is not None:
-                    end = len(text)
+                    end = finished_end(text)
                 else:
                     end = ready_end(text, stops, progress.emitted_chars)
                 delta = text[progress.emitted_chars : max(end, progress.emitted_chars)]
@@ -550,6 +558,9 @@ class BaseWeights:
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Completion:
         return await collect(self.stream(prompt_ids, params), prompt_ids)
+
+    async def prepare(self, grammar: Grammar) -> None:
+        await self.engine.prepare(grammar)
 
     async def score(self, prompt_ids: list[int], response_ids: list[int]) -> list[float]:
         return await self.engine.score(prompt_ids, response_ids, adapter=None)

@@ -1,0 +1,301 @@
+"""Constrained decoding: OpenAI's `response_format` and forced `tool_choice` as a regular
+language over the completion text, and the token masks that keep the transformers engine's
+sampling inside it.
+
+`from_request` turns the request's fields into a `Grammar` (types.py) or refuses them with a
+`GrammarError` naming the construct it cannot enforce (the API answers 400 before anything is
+recorded). `Grammars` compiles a grammar against one tokenizer's vocabulary (outlines-core's
+regex -> token automaton, cached) and hands out a `Matcher` per request: the ids allowed next,
+advanced by each sampled id. This module knows nothing of HTTP, sessions or how the engine
+batches; SGLang enforces the same `Grammar` with its own sampling parameters (engine/sglang.py).
+
+Forced tool calls use the convention chat.py parses: `<tool_call>{"name": ..., "arguments":
+...}</tool_call>`, one call, the arguments constrained by the tool's parameter schema.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections import OrderedDict
+from typing import Any
+
+import torch
+
+from ocrl.types import Grammar
+
+# What a schema may say for us to enforce it exactly: keywords the regex builder turns into the
+# language, plus annotations that constrain nothing. Anything else (minimum, not, if/then,
+# patternProperties, uniqueItems, ...) would be accepted by the builder and silently not
+# enforced, so it is refused by name instead.
+_ENFORCED = {
+    "type", "properties", "required", "additionalProperties", "items", "prefixItems", "minItems",
+    "maxItems", "enum", "const", "anyOf", "oneOf", "allOf", "$ref", "$defs", "definitions",
+    "minLength", "maxLength", "pattern", "format", "minProperties", "maxProperties",
+}  # fmt: skip
+_ANNOTATIONS = {
+    "title", "description", "default", "examples", "$schema", "$id", "$comment", "deprecated",
+    "readOnly", "writeOnly", "strict", "nullable",
+}  # fmt: skip
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SUBSCHEMA_MAPS = ("properties", "$defs", "definitions")
+
+_WS = r"[ ]?"  # the regex builder's own default: at most one space between JSON tokens
+_MAX_CACHED = 64
+
+
+class GrammarError(ValueError):
+    """The request asks for a constraint ocrl cannot enforce (HTTP 400)."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+def _json_object_regex() -> str:
+    """Any JSON object, nested two levels (scalars, arrays of scalars, objects of scalars). The
+    builder's own free-form object nests deeper and takes ~20 s to compile against a 49k
+    vocabulary; this one takes ~1 s."""
+    from outlines_core.json_schema import NUMBER, STRING
+
+    scalar = rf"(?:{STRING}|{NUMBER}|true|false|null)"
+
+    def array(item: str) -> str:
+        return rf"\[{_WS}(?:{item}(?:{_WS},{_WS}{item})*)?{_WS}\]"
+
+    def obj(value: str) -> str:
+        member = rf"{STRING}{_WS}:{_WS}{value}"
+        return rf"\{{{_WS}(?:{member}(?:{_WS},{_WS}{member})*)?{_WS}\}}"
+
+    return obj(rf"(?:{scalar}|{array(scalar)}|{obj(scalar)})")
+
+
+def check_schema(schema: Any, where: str = "$") -> None:
+    """Raises GrammarError naming the first construct that would not be enforced."""
+    if isinstance(schema, bool):
+        if not schema:
+            raise GrammarError(f"schema `false` at {where} admits nothing")
+        return
+    if not isinstance(schema, dict):
+        raise GrammarError(f"a JSON schema must be an object, at {where}")
+    for key in schema:
+        if key not in _ENFORCED and key not in _ANNOTATIONS:
+            raise GrammarError(f"JSON schema keyword `{key}` at {where} is not supported by constrained decoding")
+    if "properties" in schema:
+        for key in ("anyOf", "oneOf", "allOf"):
+            if key in schema:
+                raise GrammarError(f"JSON schema `{key}` beside `properties` at {where} is not supported")
+    for key in _SUBSCHEMA_LISTS:
+        for i, sub in enumerate(schema.get(key) or []):
+            check_schema(sub, f"{where}.{key}[{i}]")
+    for key in _SUBSCHEMA_MAPS:
+        for name, sub in (schema.get(key) or {}).items():
+            check_schema(sub, f"{where}.{key}.{name}")
+    for key in ("items", "additionalProperties"):
+        if isinstance(schema.get(key), dict):
+            check_schema(schema[key], f"{where}.{key}")
+
+
+def schema_regex(schema: dict, where: str) -> str:
+    check_schema(schema, where)
+    from outlines_core.json_schema import build_regex_from_schema
+
+    if {k: v for k, v in schema.items() if k not in _ANNOTATIONS} == {"type": "object"}:
+        return _json_object_regex()
+    try:
+        return build_regex_from_schema(json.dumps(schema), _WS)
+    except (ValueError, TypeError) as e:
+        reason = str(e).split("\n")[0]
+        raise GrammarError(f"unsupported JSON schema at {where}: {reason}") from None
+
+
+def _tool_call_regex(function: dict, where: str) -> str:
+    parameters = function.get("parameters") or {"type": "object", "properties": {}}
+    arguments = schema_regex(parameters, f"{where}.parameters")
+    name = re.escape(json.dumps(function["name"]))
+    call = rf'\{{{_WS}"name"{_WS}:{_WS}{name}{_WS},{_WS}"arguments"{_WS}:{_WS}(?:{arguments}){_WS}\}}'
+    return rf"<tool_call>\n?{call}\n?</tool_call>"
+
+
+def _functions(tools: list[dict] | None) -> list[dict]:
+    functions = []
+    for i, tool in enumerate(tools or []):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if tool.get("type", "function") != "function" or not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise GrammarError(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ...}}}}", param=f"tools[{i}]")
+        functions.append(function)
+    return functions
+
+
+def from_request(response_format: dict | None, tools: list[dict] | None, tool_choice: str | dict | None) -> Grammar | None:
+    """The constraint a chat request asks for, or None. A forced tool choice wins over
+    `response_format` (the reply is then a tool call, as with OpenAI)."""
+    forced = tool_choice if isinstance(tool_choice, dict) else (tool_choice if tool_choice == "required" else None)
+    if tool_choice is not None and not isinstance(tool_choice, dict) and tool_choice not in ("none", "auto", "required"):
+        raise GrammarError(f"tool_choice must be 'none', 'auto', 'required' or a named function, not {tool_choice!r}", "tool_choice")
+    if forced is not None:
+        functions = _functions(tools)
+        if not functions:
+            raise GrammarError("tool_choice forces a tool call but no `tools` are given", "tool_choice")
+        if isinstance(forced, dict):
+            wanted = (forced.get("function") or {}).get("name") if forced.get("type", "function") == "function" else None
+            chosen = [f for f in functions if f["name"] == wanted]
+            if not chosen:
+                raise GrammarError(f"tool_choice names function {wanted!r}, which is not among `tools`", "tool_choice")
+            functions, source = chosen, f"tool_choice:{wanted}"
+        else:
+            source = "tool_choice:required"
+        where = {id(f): i for i, f in enumerate(_functions(tools))}
+        blocks = [_tool_call_regex(f, f"tools[{where.get(id(f), 0)}].function") for f in functions]
+        return Grammar(regex="|".join(f"(?:{b})" for b in blocks), source=source)
+    if response_format is None:
+        return None
+    kind = response_format.get("type") if isinstance(response_format, dict) else None
+    if kind in (None, "text"):
+        if kind is None:
+            raise GrammarError("response_format needs a `type`", "response_format.type")
+        return None
+    if kind == "json_object":
+        return Grammar(regex=_json_object_regex(), source="json_object", json_schema=json.dumps({"type": "object"}))
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise GrammarError("response_format.json_schema needs a `schema` object", "response_format.json_schema.schema")
+        try:
+            regex = schema_regex(schema, "$")
+        except GrammarError as e:
+            raise GrammarError(f"response_format: {e}", "response_format.json_schema.schema") from None
+        return Grammar(regex=regex, source="json_schema", json_schema=json.dumps(schema))
+    raise GrammarError(f"response_format type {kind!r} is not supported (text, json_object, json_schema)", "response_format.type")
+
+
+# -- the token side (transformers engine) -----------------------------------------------------
+
+
+def _byte_level_table() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet: each byte is written as one printable character."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table, extra = {chr(b): b for b in printable}, 0
+    for b in range(256):
+        if b not in printable:
+            table[chr(256 + extra)] = b
+            extra += 1
+    return table
+
+
+def token_bytes(tokenizer) -> dict[int, bytes]:
+    """The bytes each (non-special) token id stands for: byte-level BPE pieces through GPT-2's
+    table, SentencePiece pieces with ▁ as a space and <0xNN> as that byte, anything else (a
+    tokenizer without a vocabulary, like the tests' letter tokenizer) by decoding it alone."""
+    special = set(getattr(tokenizer, "all_special_ids", None) or [getattr(tokenizer, "eos_token_id", None)])
+    vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else None
+    if vocab is None:
+        size = getattr(tokenizer, "vocab_size", None) or 0
+        return {i: tokenizer.decode([i]).encode() for i in range(size) if i not in special}
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    decoder = json.loads(backend.to_str()).get("decoder") if backend is not None else None
+    byte_level = '"ByteLevel"' in json.dumps(decoder)
+    table = _byte_level_table() if byte_level else None
+    added = {i for i in getattr(tokenizer, "added_tokens_decoder", {}) or {}}
+    out = {}
+    for piece, i in vocab.items():
+        if i in special:
+            continue
+        if table is not None and i not in added and all(c in table for c in piece):
+            out[i] = bytes(table[c] for c in piece)
+        elif re.fullmatch(r"<0x[0-9A-Fa-f]{2}>", piece):
+            out[i] = bytes([int(piece[3:5], 16)])
+        else:
+            out[i] = piece.replace("▁", " ").encode()
+    return out
+
+
+class Compiled:
+    """One grammar's token automaton, with the allowed-id tensor of each state cached (JSON
+    strings revisit the same few states at every step)."""
+
+    def __init__(self, index, eos_ids: list[int]):
+        self.index = index
+        self.eos_ids = eos_ids
+        self._allowed: dict[int, torch.Tensor] = {}
+
+    def allowed(self, state: int) -> torch.Tensor:
+        ids = self._allowed.get(state)
+        if ids is None:
+            allowed = self.index.get_allowed_tokens(state) or []
+            # the automaton knows one end-of-text id (the first); every end id of the model ends it
+            if self.eos_ids[0] in allowed:
+                allowed = allowed + self.eos_ids
+            ids = self._allowed[state] = torch.tensor(sorted(set(allowed)), dtype=torch.long)
+        return ids
+
+
+class Matcher:
+    """One request's place in its grammar: which ids may come next; `advance` with each id."""
+
+    def __init__(self, compiled: Compiled):
+        self.compiled = compiled
+        self.state = compiled.index.get_initial_state()
+
+    def allowed(self) -> torch.Tensor:
+        return self.compiled.allowed(self.state)
+
+    def mask(self, logits: torch.Tensor) -> torch.Tensor:
+        """(V,) logits with every id the grammar forbids next at -inf."""
+        allowed = self.allowed().to(logits.device)
+        allowed = allowed[allowed < logits.shape[-1]]  # ids past the model's head never come
+        masked = torch.full_like(logits, -math.inf)
+        masked[allowed] = logits[allowed]
+        return masked
+
+    def advance(self, token: int) -> None:
+        if token in self.compiled.eos_ids:
+            return
+        following = self.compiled.index.get_next_state(self.state, token)
+        if following is None:
+            raise GrammarError(f"token {token} is outside the grammar")
+        self.state = following
+
+
+class Grammars:
+    """Compiles grammars against one tokenizer, least recently used dropped past 64. The
+    vocabulary is built on first use (a third of a second for 49k tokens)."""
+
+    def __init__(self, tokenizer, eos_ids: set[int]):
+        self.tokenizer = tokenizer
+        self.eos_ids = sorted(eos_ids)
+        self._vocabulary = None
+        self._cache: OrderedDict[str, Compiled] = OrderedDict()
+
+    def _vocab(self):
+        if self._vocabulary is None:
+            from outlines_core import Vocabulary
+
+            pieces: dict[bytes, list[int]] = {}
+            for i, piece in token_bytes(self.tokenizer).items():
+                if i not in self.eos_ids and piece:
+                    pieces.setdefault(piece, []).append(i)
+            self._vocabulary = Vocabulary(self.eos_ids[0], pieces)
+        return self._vocabulary
+
+    def compile(self, grammar: Grammar) -> Compiled:
+        """Blocking (up to seconds for a new grammar): call it from a worker thread."""
+        compiled = self._cache.get(grammar.regex)
+        if compiled is not None:
+            self._cache.move_to_end(grammar.regex)
+            return compiled
+        from outlines_core import Index
+
+        try:
+            index = Index(grammar.regex, self._vocab())
+        except (ValueError, TypeError) as e:
+            raise GrammarError(f"{grammar.source}: cannot build a token automaton: {str(e)[:300]}") from None
+        compiled = self._cache[grammar.regex] = Compiled(index, self.eos_ids)
+        while len(self._cache) > _MAX_CACHED:
+            self._cache.popitem(last=False)
+        return compiled
+
+    def matcher(self, grammar: Grammar) -> Matcher:
+        return Matcher(self.compile(grammar))
