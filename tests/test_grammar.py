@@ -1,0 +1,209 @@
+"""Constrained decoding below HTTP: which requests become which grammar (and which are refused,
+by name), the token bytes a vocabulary stands for, and the HF engine sampling inside a grammar
+while unconstrained rows of the same batch sample as if alone."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import anyio
+import pytest
+import torch
+
+from ocrl import grammar
+from ocrl.engine.base import finished_end
+from ocrl.grammar import GrammarError
+from ocrl.types import Grammar, SamplingParams
+from tests.test_engine import LetterTokenizer, tiny_engine
+
+torch.set_num_threads(1)
+
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"]}}}
+
+
+def full(g: Grammar, text: str) -> bool:
+    return re.fullmatch(g.regex, text) is not None
+
+
+# -- requests -> grammars ---------------------------------------------------------------------
+
+
+def test_json_schema_becomes_its_language():
+    g = grammar.from_request({"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}}, None, None)
+    assert g.source == "json_schema" and json.loads(g.json_schema) == PERSON
+    assert full(g, '{"name": "Ann", "age": 31}')
+    assert not full(g, '{"name": "Ann"}')  # age is required
+    assert not full(g, '{"name": "Ann", "age": "31"}')  # age is an integer
+    assert not full(g, '{"name": "Annabel Lee Poe", "age": 3}')  # maxLength 12
+
+
+def test_json_object_is_any_object_two_levels_deep():
+    g = grammar.from_request({"type": "json_object"}, None, None)
+    assert json.loads(g.json_schema) == {"type": "object"}
+    for text in ('{}', '{"a": 1, "b": [true, null, "x"], "c": {"d": -2.5e+3}}'):
+        assert full(g, text), text
+    assert not full(g, "[1]") and not full(g, '"a"') and not full(g, "Sure! {}")
+
+
+def test_text_auto_and_none_ask_for_nothing():
+    assert grammar.from_request(None, None, None) is None
+    assert grammar.from_request({"type": "text"}, [WEATHER], "auto") is None
+    assert grammar.from_request(None, [WEATHER], "none") is None
+
+
+def test_required_tool_choice_is_a_call_of_any_tool_with_valid_arguments():
+    g = grammar.from_request(None, [WEATHER, TIME], "required")
+    assert g.source == "tool_choice:required" and g.json_schema is None
+    assert full(g, '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>')
+    assert full(g, '<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>')
+    assert not full(g, '<tool_call>{"name": "get_time", "arguments": {"zone": "PST"}}</tool_call>')  # not in the enum
+    assert not full(g, '<tool_call>{"name": "get_weather", "arguments": {}}</tool_call>')  # city is required
+    assert not full(g, "It is sunny.")
+
+
+def test_named_tool_choice_allows_only_that_function():
+    g = grammar.from_request(None, [WEATHER, TIME], {"type": "function", "function": {"name": "get_time"}})
+    assert g.source == "tool_choice:get_time"
+    assert full(g, '<tool_call>{"name": "get_time", "arguments": {"zone": "CET"}}</tool_call>')
+    assert not full(g, '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>')
+
+
+def test_forced_tool_choice_wins_over_response_format():
+    g = grammar.from_request({"type": "json_object"}, [WEATHER], "required")
+    assert g.source == "tool_choice:required"
+
+
+@pytest.mark.parametrize(
+    "response_format, tools, tool_choice, named, param",
+    [
+        ({"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "integer", "minimum": 3}}}, None, None, "`minimum`", "response_format.json_schema.schema"),
+        ({"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "object", "properties": {"a": {"not": {"type": "string"}}}}}}, None, None, "`not` at $.properties.a", "response_format.json_schema.schema"),
+        ({"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "string", "format": "hostname"}}}, None, None, "hostname", "response_format.json_schema.schema"),
+        ({"type": "json_schema", "json_schema": {"name": "n"}}, None, None, "schema", "response_format.json_schema.schema"),
+        ({"type": "yaml"}, None, None, "'yaml'", "response_format.type"),
+        (None, None, "required", "no `tools`", "tool_choice"),
+        (None, [WEATHER], {"type": "function", "function": {"name": "nope"}}, "'nope'", "tool_choice"),
+        (None, [WEATHER], "always", "'always'", "tool_choice"),
+        (None, [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "patternProperties": {"x": {}}}}}], "required", "`patternProperties`", None),
+    ],
+)
+def test_what_cannot_be_enforced_is_refused_by_name(response_format, tools, tool_choice, named, param):
+    with pytest.raises(GrammarError) as refused:
+        grammar.from_request(response_format, tools, tool_choice)
+    assert named in str(refused.value)
+    if param is not None:
+        assert refused.value.param == param
+
+
+# -- vocabulary -------------------------------------------------------------------------------
+
+
+def test_token_bytes_of_a_byte_level_vocabulary_decode_like_the_tokenizer(embedded):
+    tokenizer = embedded.tokenizer
+    pieces = grammar.token_bytes(tokenizer)
+    assert set(tokenizer.all_special_ids).isdisjoint(pieces)
+    # a word, a word with its leading space, and a 4-byte emoji split across tokens
+    for text in ("hello", " world", "naïve 🌟 {\"a\": 1}"):
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        assert b"".join(pieces[i] for i in ids).decode() == text
+
+
+def test_finished_text_drops_an_incomplete_character_only():
+    assert finished_end("ab\ufffd") == 2  # the token limit cut a character short: not emitted
+    assert finished_end("ab") == 2
+    assert finished_end("\ufffd") == 0
+    assert finished_end("a\ufffdb") == 3  # a replacement char inside the text is the model's own
+
+
+# -- the engine -------------------------------------------------------------------------------
+
+
+class SpelledTokenizer(LetterTokenizer):
+    """The tests' letter tokenizer with a vocabulary: id i spells chr(97 + i % 26), id 0 ends."""
+
+    vocab_size = 64
+    all_special_ids = [0]
+
+
+def spelled_engine(**kwargs):
+    engine = tiny_engine(**kwargs)
+    engine.tokenizer = SpelledTokenizer()
+    engine.grammars = grammar.Grammars(engine.tokenizer, engine.eos_ids)
+    return engine
+
+
+async def _with_scheduler(engine, work):
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(engine.run)
+        result = await work()
+        tg.cancel_scope.cancel()
+    return result
+
+
+PROMPT = [1, 5, 6, 7]
+WORD = Grammar(regex="b(cd|ef)+g", source="test")
+
+
+async def test_sampled_text_stays_in_the_grammar_and_logprobs_stay_raw():
+    engine = spelled_engine()
+    params = [SamplingParams(max_tokens=20, temperature=1.5, seed=seed, grammar=WORD) for seed in range(4)]
+
+    async def work():
+        done = []
+        for p in params:
+            done.append(await engine.generate(PROMPT, p))
+        return done
+
+    for completion in await _with_scheduler(engine, work):
+        if completion.finish_reason == "stop":  # ended by the model: the text is a whole word
+            assert re.fullmatch("b(cd|ef)+g", completion.text), completion.text
+            assert completion.response_ids[-1] == 0
+        else:  # cut by the token limit: a prefix of one
+            assert re.fullmatch("b(cd|ef)*(c|e)?", completion.text), completion.text
+        # The recorded log-probs are the unmasked model's (what the trainer's forward gives),
+        # of the tokens the grammar let through.
+        scored = await engine.score(PROMPT, completion.response_ids)
+        torch.testing.assert_close(torch.tensor(completion.logprobs), torch.tensor(scored), atol=1e-5, rtol=0)
+
+
+async def test_greedy_rows_with_and_without_grammars_share_a_batch():
+    engine = spelled_engine(max_batch_size=4)
+    free = SamplingParams(max_tokens=12, temperature=0)
+    bound = SamplingParams(max_tokens=12, temperature=0, grammar=WORD)
+
+    async def alone():
+        return [await engine.generate(PROMPT, free), await engine.generate(PROMPT, bound)]
+
+    async def together():
+        results = {}
+
+        async def one(key, p):
+            results[key] = await engine.generate(PROMPT, p)
+
+        async with anyio.create_task_group() as tg:
+            for key, p in enumerate([free, bound, free, bound]):
+                tg.start_soon(one, key, p)
+        return [results[k] for k in range(4)]
+
+    solo_free, solo_bound = await _with_scheduler(engine, alone)
+    batched = await _with_scheduler(engine, together)
+    assert solo_free.text != solo_bound.text  # the grammar changed what greedy picks
+    assert re.fullmatch("b(cd|ef)*(c|e|g)?", solo_bound.text)
+    for result, expected in zip(batched, [solo_free, solo_bound, solo_free, solo_bound]):
+        assert result.response_ids == expected.response_ids
+        torch.testing.assert_close(torch.tensor(result.logprobs), torch.tensor(expected.logprobs), atol=1e-5, rtol=0)
+
+
+async def test_a_grammar_the_vocabulary_cannot_spell_is_refused_before_queueing():
+    engine = spelled_engine()
+    with pytest.raises(GrammarError, match="token automaton"):
+        await engine.prepare(Grammar(regex="b1", source="test"))  # no token spells a digit
+    assert engine.queue_depth == 0
