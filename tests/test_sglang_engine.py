@@ -35,8 +35,10 @@ from __future__ import annotations
 
 import asyncio
 import io
+import json
 import math
 import pickle
+import re
 import sys
 import types
 from multiprocessing.reduction import ForkingPickler
@@ -51,7 +53,7 @@ import torch
 from ocrl.config import Config, ConfigError
 from ocrl.engine import select
 from ocrl.engine.base import EngineError, Final
-from ocrl.types import SamplingParams
+from ocrl.types import Grammar, SamplingParams
 
 torch.set_num_threads(1)
 
@@ -186,6 +188,7 @@ class FakeTokenizerManager:
         self.aborted: list[str] = []
         self.handle_loop_started = False
         self.budget = math.inf  # tokens the scheduler may still produce (tests hold it)
+        self.structured: list[dict] = []  # the structured-output params each generation got
 
     def auto_create_handle_loop(self):
         self.handle_loop_started = True
@@ -201,6 +204,16 @@ class FakeTokenizerManager:
             raise ValueError(f"LoRA adapter {obj.lora_path} not loaded")
         sampling = obj.sampling_params
         ids = list(obj.input_ids)
+        # SamplingParams.verify: at most one of regex / json_schema / ebnf, each compilable
+        structured = {k: sampling[k] for k in ("regex", "json_schema", "ebnf") if sampling.get(k) is not None}
+        if len(structured) > 1:
+            raise ValueError("Only one of regex, json_schema, or ebnf can be set.")
+        if "json_schema" in structured:
+            json.loads(structured["json_schema"])
+        if "regex" in structured:
+            re.compile(structured["regex"])
+        if obj.stream:
+            self.structured.append(structured)
         if obj.lora_path:
             self.adapter_users[obj.lora_path] = self.adapter_users.get(obj.lora_path, 0) + 1
         try:
@@ -393,6 +406,42 @@ async def test_top_logprobs_come_from_output_top_logprobs(fake_sglang):
     assert [[(t.token_id, t.logprob) for t in row] for row in completion.top_logprobs] == [
         [(6, pytest.approx(-0.51)), (7, -2.0)], [(7, pytest.approx(-0.51)), (8, -2.0)],
     ]
+
+
+async def test_grammars_go_to_sglang_as_its_own_structured_output_params(fake_sglang):
+    from ocrl import grammar
+
+    engine, tm = make_engine()
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    as_schema = grammar.from_request({"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}, None, None)
+    tool = {"type": "function", "function": {"name": "f", "parameters": schema}}
+    as_regex = grammar.from_request(None, [tool], "required")
+    await engine.prepare(as_schema)  # SGLang compiles its own grammars: nothing to refuse here
+    for g in (as_schema, as_regex, None):
+        await engine.generate([1, 5], SamplingParams(max_tokens=2, temperature=0, grammar=g))
+    # a JSON schema is enforced by SGLang as that schema, a forced tool call as its regex
+    assert tm.structured == [{"json_schema": as_schema.json_schema}, {"regex": as_regex.regex}, {}]
+    assert json.loads(tm.structured[0]["json_schema"]) == schema
+
+
+class HalfEuroTokenizer(LetterTokenizer):
+    """Letters, except that id 7 holds the first two bytes of "€" and id 8 the last one."""
+
+    def decode(self, ids, skip_special_tokens=False):
+        pieces = {7: b"\xe2\x82", 8: b"\xac"}
+        raw = b"".join(pieces.get(i, chr(97 + i % 26).encode()) for i in ids if not (skip_special_tokens and i == 0))
+        return raw.decode("utf-8", errors="replace")
+
+
+@pytest.mark.parametrize("incremental", [True, False])
+async def test_a_character_cut_by_the_token_limit_is_not_emitted(fake_sglang, incremental):
+    engine, _ = make_engine(incremental=incremental)
+    engine.tokenizer = HalfEuroTokenizer()
+    cut = [c async for c in engine.stream([1, 5], SamplingParams(max_tokens=2, temperature=0))]  # ids 6, 7
+    assert [i for c in cut for i in c.token_ids] == [6, 7]
+    assert "".join(c.text for c in cut) == "g"
+    whole = await engine.generate([1, 5], SamplingParams(max_tokens=3, temperature=0))  # ids 6, 7, 8
+    assert whole.text == "g€"
 
 
 async def test_eos_maps_to_stop_and_length_to_length(fake_sglang):
