@@ -429,7 +429,7 @@ class Api:
         try:
             await self.engine.prepare(constraint)
         except grammar.GrammarError as e:
-            raise ApiError(400, str(e), param=e.param) from None
+            raise ApiError(400, str(e), param=e.param, code="unsupported_constraint") from None
 
     def _sampling(self, body: ChatRequest, room: int) -> SamplingParams:
         wanted = body.max_completion_tokens or body.max_tokens or self.config.default_max_tokens
@@ -439,7 +439,7 @@ class Api:
         try:
             constraint = grammar.from_request(body.response_format, body.tools, body.tool_choice)
         except grammar.GrammarError as e:
-            raise ApiError(400, str(e), param=e.param) from None
+            raise ApiError(400, str(e), param=e.param, code="unsupported_constraint") from None
         return SamplingParams(
             max_tokens=min(wanted, room),
             # a temperature too small to divide by is greedy (it is, to float precision)

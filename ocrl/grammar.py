@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import threading
 from collections import OrderedDict
 from typing import Any
 
@@ -42,7 +43,8 @@ _SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
 _SUBSCHEMA_MAPS = ("properties", "$defs", "definitions")
 
 _WS = r"[ ]?"  # the regex builder's own default: at most one space between JSON tokens
-_MAX_CACHED = 64
+_MAX_CACHED = 16  # compiled grammars kept per engine
+_MASK_BYTES = 4 << 20  # per grammar: ~85 states' masks at a 49k vocabulary
 
 
 class GrammarError(ValueError):
@@ -213,23 +215,31 @@ def token_bytes(tokenizer) -> dict[int, bytes]:
 
 
 class Compiled:
-    """One grammar's token automaton, with the allowed-id tensor of each state cached (JSON
-    strings revisit the same few states at every step)."""
+    """One grammar's token automaton, with the allowed-id mask of each state cached (JSON
+    strings revisit the same few states at every step) up to 4 MiB of masks per grammar; past
+    that, masks of new states are built at each step instead of kept."""
 
     def __init__(self, index, eos_ids: list[int]):
         self.index = index
         self.eos_ids = eos_ids
-        self._allowed: dict[int, torch.Tensor] = {}
+        self._masks: dict[tuple[int, int, str], torch.Tensor] = {}
+        self._kept_bytes = 0
 
-    def allowed(self, state: int) -> torch.Tensor:
-        ids = self._allowed.get(state)
-        if ids is None:
+    def allowed_mask(self, state: int, vocab_size: int, device) -> torch.Tensor:
+        """(V,) bool: which ids may come next from `state`."""
+        key = (state, vocab_size, str(device))
+        mask = self._masks.get(key)
+        if mask is None:
             allowed = self.index.get_allowed_tokens(state) or []
             # the automaton knows one end-of-text id (the first); every end id of the model ends it
             if self.eos_ids[0] in allowed:
                 allowed = allowed + self.eos_ids
-            ids = self._allowed[state] = torch.tensor(sorted(set(allowed)), dtype=torch.long)
-        return ids
+            ids = torch.tensor([i for i in allowed if i < vocab_size], dtype=torch.long)  # ids past the head never come
+            mask = torch.zeros(vocab_size, dtype=torch.bool).index_fill_(0, ids, True).to(device)
+            if self._kept_bytes + vocab_size <= _MASK_BYTES:
+                self._masks[key] = mask
+                self._kept_bytes += vocab_size
+        return mask
 
 
 class Matcher:
@@ -239,16 +249,10 @@ class Matcher:
         self.compiled = compiled
         self.state = compiled.index.get_initial_state()
 
-    def allowed(self) -> torch.Tensor:
-        return self.compiled.allowed(self.state)
-
     def mask(self, logits: torch.Tensor) -> torch.Tensor:
         """(V,) logits with every id the grammar forbids next at -inf."""
-        allowed = self.allowed().to(logits.device)
-        allowed = allowed[allowed < logits.shape[-1]]  # ids past the model's head never come
-        masked = torch.full_like(logits, -math.inf)
-        masked[allowed] = logits[allowed]
-        return masked
+        allowed = self.compiled.allowed_mask(self.state, logits.shape[-1], logits.device)
+        return logits.masked_fill(~allowed, -math.inf)
 
     def advance(self, token: int) -> None:
         if token in self.compiled.eos_ids:
@@ -260,7 +264,7 @@ class Matcher:
 
 
 class Grammars:
-    """Compiles grammars against one tokenizer, least recently used dropped past 64. The
+    """Compiles grammars against one tokenizer, least recently used dropped past 16. The
     vocabulary is built on first use (a third of a second for 49k tokens)."""
 
     def __init__(self, tokenizer, eos_ids: set[int]):
@@ -268,6 +272,7 @@ class Grammars:
         self.eos_ids = sorted(eos_ids)
         self._vocabulary = None
         self._cache: OrderedDict[str, Compiled] = OrderedDict()
+        self._lock = threading.Lock()
 
     def _vocab(self):
         if self._vocabulary is None:
@@ -282,19 +287,23 @@ class Grammars:
 
     def compile(self, grammar: Grammar) -> Compiled:
         """Blocking (up to seconds for a new grammar): call it from a worker thread."""
-        compiled = self._cache.get(grammar.regex)
-        if compiled is not None:
-            self._cache.move_to_end(grammar.regex)
-            return compiled
+        with self._lock:  # worker threads compile side by side; the cache is shared
+            compiled = self._cache.get(grammar.regex)
+            if compiled is not None:
+                self._cache.move_to_end(grammar.regex)
+                return compiled
+            vocabulary = self._vocab()
         from outlines_core import Index
 
         try:
-            index = Index(grammar.regex, self._vocab())
+            index = Index(grammar.regex, vocabulary)
         except (ValueError, TypeError) as e:
             raise GrammarError(f"{grammar.source}: cannot build a token automaton: {str(e)[:300]}") from None
-        compiled = self._cache[grammar.regex] = Compiled(index, self.eos_ids)
-        while len(self._cache) > _MAX_CACHED:
-            self._cache.popitem(last=False)
+        compiled = Compiled(index, self.eos_ids)
+        with self._lock:
+            self._cache[grammar.regex] = compiled
+            while len(self._cache) > _MAX_CACHED:
+                self._cache.popitem(last=False)
         return compiled
 
     def matcher(self, grammar: Grammar) -> Matcher:

@@ -120,7 +120,7 @@ async def test_what_cannot_be_enforced_is_a_400_that_records_nothing(daemon, ext
         with pytest.raises(openai.BadRequestError) as refused:
             await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "Count to three."}], max_tokens=5, **extra)
     error = refused.value.body
-    assert named in error["message"] and error["type"] == "invalid_request_error"
+    assert named in error["message"] and error["type"] == "invalid_request_error" and error["code"] == "unsupported_constraint"
     assert daemon.stats()["sessions"] == before
 
 
