@@ -31,7 +31,7 @@ from ocrl.access_log import RequestLog, note
 from ocrl.engine.base import GREEDY_BELOW, EngineBusy, EngineError
 from ocrl.records import DiskFull
 from ocrl.streams import Accumulator, merged
-from ocrl.types import Completion, Message, SamplingParams, TokenChunk
+from ocrl.types import Completion, Grammar, Message, SamplingParams, TokenChunk
 
 log = logging.getLogger("ocrl.api")
 
@@ -343,8 +343,10 @@ class Api:
         except Exception as e:
             raise ApiError(400, f"cannot apply the chat template to these messages: {e}", param="messages") from None
         params = self._sampling(body, self._room(prompt_ids, "messages"))
-        if params.grammar is not None:  # compiled now, so a grammar the engine cannot enforce records nothing
-            await self._prepare(params.grammar)
+        constraint = self._constraint(body)
+        if constraint is not None:  # compiled now, so a grammar the engine cannot enforce records nothing
+            await self._prepare(constraint)
+            params = msgspec.structs.replace(params, grammar=constraint)
         headers = http.headers
         turn_type = headers.get("x-turn-type") or body.turn_type
         if turn_type not in (None, "main", "side"):
@@ -425,7 +427,14 @@ class Api:
         note(scope, error=kind)
         return b"data: " + _encoder.encode({"error": {"message": str(e) or "generation timed out", "type": kind, "param": None, "code": None}}) + b"\n\n"
 
-    async def _prepare(self, constraint) -> None:
+    @staticmethod
+    def _constraint(body: ChatRequest) -> Grammar | None:
+        try:
+            return grammar.from_request(body.response_format, body.tools, body.tool_choice)
+        except grammar.GrammarError as e:
+            raise ApiError(400, str(e), param=e.param, code="unsupported_constraint") from None
+
+    async def _prepare(self, constraint: Grammar) -> None:
         try:
             await self.engine.prepare(constraint)
         except grammar.GrammarError as e:
@@ -436,10 +445,6 @@ class Api:
         stop = body.stop if isinstance(body.stop, list) else ([body.stop] if body.stop else [])
         if len(stop) > 16 or any(not s for s in stop):
             raise ApiError(400, "`stop` takes up to 16 non-empty strings", param="stop")
-        try:
-            constraint = grammar.from_request(body.response_format, body.tools, body.tool_choice)
-        except grammar.GrammarError as e:
-            raise ApiError(400, str(e), param=e.param, code="unsupported_constraint") from None
         return SamplingParams(
             max_tokens=min(wanted, room),
             # a temperature too small to divide by is greedy (it is, to float precision)
@@ -448,7 +453,6 @@ class Api:
             stop=tuple(stop),
             seed=body.seed,
             top_logprobs=(body.top_logprobs or 0) if body.logprobs else 0,
-            grammar=constraint,
         )
 
     # -- response shapes --------------------------------------------------------------------
