@@ -207,3 +207,42 @@ async def test_a_grammar_the_vocabulary_cannot_spell_is_refused_before_queueing(
     with pytest.raises(GrammarError, match="token automaton"):
         await engine.prepare(Grammar(regex="b1", source="test"))  # no token spells a digit
     assert engine.queue_depth == 0
+
+
+async def test_a_grammar_row_joining_a_running_batch_leaves_it_as_it_was():
+    engine = spelled_engine(max_batch_size=4)
+    free = SamplingParams(max_tokens=30, temperature=0)
+    bound = SamplingParams(max_tokens=12, temperature=0, grammar=WORD)
+
+    async def alone():
+        return [await engine.generate(PROMPT, free), await engine.generate([1, 9, 9], bound)]
+
+    async def joined():
+        results = {}
+        started = anyio.Event()
+
+        async def running():
+            chunks = []
+            async for chunk in engine.stream(PROMPT, free):
+                chunks.append(chunk)
+                started.set()
+            results["free"] = [i for c in chunks for i in c.token_ids]
+
+        async def joining():
+            await started.wait()  # the free row is decoding: this one joins between two steps
+            results["bound"] = await engine.generate([1, 9, 9], bound)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(running)
+            tg.start_soon(joining)
+        return results
+
+    solo_free, solo_bound = await _with_scheduler(engine, alone)
+    joins = []
+    join = engine._join
+    engine._join = lambda state, joining: joins.append(len(joining)) or join(state, joining)
+    results = await _with_scheduler(engine, joined)
+    assert joins == [1]  # it did join the running batch
+    assert results["free"] == solo_free.response_ids
+    assert results["bound"].response_ids == solo_bound.response_ids
+    assert re.fullmatch("b(cd|ef)*(c|e|g)?", results["bound"].text)
