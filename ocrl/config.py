@@ -59,7 +59,8 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     prm_mode: Literal["auto", "generate", "verdict", "embed"] = "auto"
     prm_m: int = 3
     prm_temperature: float = 0.6
-    prm_max_tokens: int = 512
+    prm_max_tokens: int = 4096  # per PRM vote, as the reference's scripts; a thinking judge needs them
+    hint_max_tokens: int = 8192  # per hint vote (--method opd|combine), as the reference's opd scripts
     prm_model: str = ""
     prm_url: str = ""
     prm_api_key: str = ""

@@ -83,7 +83,9 @@ def check_access(config: Config) -> None:
 
 
 class RemoteCompleter:
-    """A judge endpoint: any OpenAI-compatible /chat/completions."""
+    """A judge endpoint: any OpenAI-compatible /chat/completions. A server that splits a thinking
+    model's reasoning into `reasoning_content` gets it back as `<think>...</think>` before the
+    answer, so the vote's text keeps it and the score is read after it."""
 
     def __init__(self, url: str, api_key: str, model: str):
         import httpx
@@ -91,15 +93,23 @@ class RemoteCompleter:
         self.url = url.rstrip("/") + ("/chat/completions" if not url.rstrip("/").endswith("/chat/completions") else "")
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.model = model
-        self.client = httpx.AsyncClient(timeout=300)
+        self.client = httpx.AsyncClient(timeout=None)  # a vote's own timeout (GenerateJudge) bounds it
 
     async def __call__(self, messages, temperature, max_tokens, seed):
         body = {"model": self.model, "messages": messages, "temperature": temperature, "max_tokens": max_tokens}
         if seed is not None:
             body["seed"] = seed
+        from ocrl.prm import THINK_END, THINK_START, Reply
+
         reply = await self.client.post(self.url, json=body, headers=self.headers)
         reply.raise_for_status()
-        return reply.json()["choices"][0]["message"]["content"] or ""
+        choice = reply.json()["choices"][0]
+        message = choice.get("message") or {}
+        text = message.get("content") or ""
+        if thinking := message.get("reasoning_content"):
+            # the server stopped inside the thinking when there is no answer yet: leave it open
+            text = f"{THINK_START}{thinking}{THINK_END if text or choice.get('finish_reason') != 'length' else ''}{text}"
+        return Reply(text, choice.get("finish_reason") or "stop")
 
 
 class EngineCompleter:
@@ -109,9 +119,15 @@ class EngineCompleter:
         self.engine, self.tokenizer = engine, tokenizer
 
     async def __call__(self, messages, temperature, max_tokens, seed):
+        from ocrl.prm import Reply
+
         ids = chat.prompt_ids(self.tokenizer, chat.normalise(messages))
-        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed)
-        return (await self.engine.generate(ids, params)).text
+        room = self.engine.max_context - len(ids)  # the budget, capped by the judge's context
+        if room < 1:
+            raise ValueError(f"the judge prompt is {len(ids)} tokens; the judge's context is {self.engine.max_context}")
+        params = SamplingParams(max_tokens=min(max_tokens, room), temperature=temperature, seed=seed)
+        completion = await self.engine.generate(ids, params)
+        return Reply(completion.text, completion.finish_reason)
 
     async def verdict_probs(self, messages) -> dict[int, float]:
         from ocrl.prm import verdict_probs_from_logprobs
@@ -238,7 +254,7 @@ class Daemon:
             return None
         if self.completer is not None:
             hinter = prm.GenerateHintJudge(
-                self.completer, m=config.prm_m, temperature=config.prm_temperature, max_tokens=config.prm_max_tokens,
+                self.completer, m=config.prm_m, temperature=config.prm_temperature, max_tokens=config.hint_max_tokens,
                 min_chars=config.hint_min_chars,
             )
         else:

@@ -90,7 +90,10 @@ async def bench_learn(
     methods: list[str] | None = None,
 ) -> dict:
     """One learning curve per method, one after the other, each on a fresh daemon with the same
-    persona, seed and turn budget; then the curves side by side (a table and one plot)."""
+    persona, seed and turn budget; then the curves side by side (a table and one plot). The
+    baseline probe is measured by the first method only and reused: every spec starts from the
+    same weights and answers the same probes with the same seeds (the spec's seed changes the
+    simulated users, not the probes)."""
     methods = methods or [config.method]
     variants = {spec: _variant(config, spec) for spec in methods}  # "opd:system" = opd with --hint-placement system
     if len(methods) == 1:
@@ -102,10 +105,12 @@ async def bench_learn(
     results: dict[str, dict] = {}
     for method in methods:
         log.info("bench learn: method %s (%d of %d)", method, len(results) + 1, len(methods))
+        first = next(iter(results.values()), None)
         results[method] = await learn_once(
             msgspec.structs.replace(variants[method], record_dir=str(root / method.replace(":", "-"))), persona_name=persona_name, turns=turns,
             concurrency=concurrency, probe_every=probe_every, tasks=tasks, max_tokens=max_tokens, probe_samples=probe_samples,
-            check_placement=not results and any(m != "rl" for m in methods),
+            check_placement=not results and any(m.split(":")[0] != "rl" for m in methods),
+            baseline=first["rows"][0] if first else None,
         )
     persona = simulate.PERSONAS[persona_name]
     plot_methods({m: r["rows"] for m, r in results.items()}, root / "learning-methods.png", f"{persona.name}: {persona.description}")
@@ -188,7 +193,7 @@ async def placement_check(client, persona: simulate.Persona, *, max_tokens: int,
 
 async def learn_once(
     config, *, persona_name: str, turns: int, concurrency: int, probe_every: int, tasks: int, max_tokens: int, probe_samples: int,
-    check_placement: bool = False,
+    check_placement: bool = False, baseline: dict | None = None,
 ) -> dict:
     from openai import AsyncOpenAI
 
@@ -227,7 +232,10 @@ async def learn_once(
                 log.info("probe %s: pass rate %.2f at %d main turns, step %d", tag, row["pass_rate"], row["main_turns"], row["step"])
 
             # 1. baseline, 2. simulated traffic with probes every `probe_every` steps, 3. final
-            await measure("baseline")
+            if baseline is None:
+                await measure("baseline")
+            else:  # the same weights, probes and seeds as the run that measured it
+                rows.append(baseline | {"tag": "baseline (reused)", "method": config.method})
             if check_placement:
                 summary_placement = await placement_check(client, persona, max_tokens=max_tokens, samples=probe_samples)
             limiter = anyio.Semaphore(concurrency)

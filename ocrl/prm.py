@@ -33,8 +33,23 @@ if TYPE_CHECKING:
 
 # Messages as OpenAI chat dicts: {"role": ..., "content": ...}.
 ChatMessages = list[dict]
-# messages, temperature, max_tokens, seed -> the judge model's text.
-Complete = Callable[[ChatMessages, float, int, int | None], Awaitable[str]]
+
+
+class Reply(msgspec.Struct):
+    """What a judge model answered: its text (thinking included, as `<think>...</think>`, when the
+    model thinks) and why it stopped; "length" means it ran into its token budget."""
+
+    text: str
+    finish_reason: str = "stop"
+
+
+# messages, temperature, max_tokens, seed -> the judge model's reply (a bare str: a reply that stopped by itself).
+Complete = Callable[[ChatMessages, float, int, int | None], Awaitable["Reply | str"]]
+
+# The reference's generation budgets (its run scripts' --prm-max-new-tokens): 4096 tokens for a PRM
+# vote, 8192 for a hint vote. A thinking judge spends most of them thinking.
+PRM_MAX_TOKENS = 4096
+HINT_MAX_TOKENS = 8192
 # judge messages ending in an assistant prefix "...\boxed{" -> {1: p, -1: p, 0: p}.
 VerdictProbs = Callable[[ChatMessages], Awaitable[dict[int, float]]]
 
@@ -42,25 +57,39 @@ SCORES = (1, -1, 0)
 
 # -- votes --------------------------------------------------------------------------------------
 
-_BOXED = re.compile(r"\\boxed\s*\{([^{}]*)\}")
-_SCORE = re.compile(r"\s*([+-]?)\s*([01])\s*")
+# What the reference accepts: a box holding one digit with an optional sign and nothing else.
+_BOXED = re.compile(r"\\boxed\{([-+]?\d)\}")
+THINK_START, THINK_END = "<think>", "</think>"
+
+
+def after_thinking(text: str) -> str | None:
+    """The answer part of a judge's text: what follows its last `</think>`, the whole text when it
+    did not think, None when a `<think>` was never closed (the vote stopped mid-thought)."""
+    if THINK_END in text:
+        return text.rsplit(THINK_END, 1)[1]
+    return None if THINK_START in text else text
 
 
 def parse_boxed(text: str) -> int | None:
-    """The score in the last `\\boxed{..}` of the text: 1 (also `+1`), -1 or 0, spaces allowed.
+    """The score of a vote, parsed as the reference parses it, after the thinking: of the boxes
+    that hold a single digit with an optional sign (`\\boxed{1}`, `\\boxed{+1}`, `\\boxed{-0}`),
+    the last; it counts when it is 1, -1 or 0, else the vote is unparseable (`\\boxed{2}` as the
+    last such box is not skipped for an earlier one). Boxes with anything else inside
+    (`\\boxed{ 1 }`, `\\boxed{10}`, `\\boxed{good}`) are not scores and are passed over."""
+    answer = after_thinking(text or "")
+    digits = _BOXED.findall(answer) if answer is not None else []
+    if not digits:
+        return None
+    score = int(digits[-1])
+    return score if score in SCORES else None
 
-    Only the last box counts, since it is the judge's final answer; when it holds anything else
-    (`\\boxed{2}`, `\\boxed{good}`, `\\boxed{-0}`) or there is no box, the vote is unparseable."""
-    boxes = _BOXED.findall(text or "")
-    if not boxes:
-        return None
-    match = _SCORE.fullmatch(boxes[-1])
-    if match is None:
-        return None
-    sign, digit = match.groups()
-    if digit == "0":
-        return 0 if sign == "" else None
-    return -1 if sign == "-" else 1
+
+def read_vote(reply: Reply | str) -> Vote:
+    """A vote from a judge's reply. A reply cut at its token budget with no score is `truncated`:
+    no vote, counted apart, since it says the budget (not the judge) failed."""
+    reply = Reply(reply) if isinstance(reply, str) else reply
+    score = parse_boxed(reply.text)
+    return Vote(score=score, text=reply.text, truncated=score is None and reply.finish_reason == "length")
 
 
 def majority(scores: Iterable[int | None]) -> int:
@@ -81,26 +110,42 @@ class Judge(Protocol):
 
 # -- the judge prompt ---------------------------------------------------------------------------
 
+# The rules are the reference's (openclaw-rl/openclaw_api_server.py, _build_prm_judge_prompt), in
+# our words; what ocrl adds (complaints about length, tone or format; "ok" and an empty tool output
+# as neutral) is listed with its reason in
+# docs/DESIGN-departures.md ("Departures from the reference").
 _RUBRIC = """\
-You grade one reply of an AI assistant. You see the reply and the message that came right after \
-it, the "next state": either the user's next message or the output of a tool the assistant \
-called. Judge the reply only by what the next state reveals about it.
+You are a process reward model: you judge one output of an AI assistant by what happened next. \
+You see the output and the "next state" that followed it, and you decide whether the output did \
+what the user wanted at that step, taking the next state as the evidence.
 
-Score 1 (good) when the next state shows the reply worked: the user thanks the assistant, \
-approves, confirms it worked, or moves on to a new task as if this one were done; or the tool \
-ran cleanly and returned what was asked (data, a listing, a success status, passing tests).
+The next state is either the user's next message, or the result of a tool the assistant called. \
+A tool result only exists because the assistant made the call; a clean result with no error means \
+the call worked, which is good.
 
-Score -1 (bad) when the next state shows the reply failed: the user asks for a redo, corrects a \
-fact, repeats or rephrases the same request, says it still does not work, or complains about \
-length, tone or format; or the tool returned an error, a traceback, a failure status or a \
-non-zero exit code.
+Score 1 (good) when the next state shows the step went as intended: the user moves on to \
+something else, thanks the assistant or approves, the environment reports success, or a tool \
+returns a result without error (data, a listing, a success status, passing tests).
 
-Score 0 when the next state says nothing clear about the reply: a bare acknowledgement such as \
-"ok" or "hmm", a question on an unrelated topic, or an empty output."""
+Score -1 (bad) when the next state shows the output was wrong, incomplete or not wanted, notably:
+- the user asks for the same thing to be done again ("again", "retry", "one more time");
+- the user asks to change or fix what was just done ("make it X instead", "no, I meant ...", \
+"not that", "please fix ...");
+- the user repeats or rewords the same request, so it was not understood or not done;
+- the user complains about length, tone or format, or says it still does not work;
+- the tool or environment returns an error, a failure, a traceback or a non-zero exit code.
+
+Score 0 (neutral) when the next state is ambiguous: an unrelated follow-up that neither confirms \
+nor denies that the step worked, a bare acknowledgement such as "ok", an empty tool output, \
+or too little to tell.
+
+A request to change what the assistant just did is negative feedback, never a neutral new \
+instruction: it says the output did not meet the need."""
 
 _ANSWER_WITH_REASONING = (
-    "First explain your reasoning in two or three short sentences. Then give the score alone on "
-    "the last line as \\boxed{1}, \\boxed{-1} or \\boxed{0}."
+    "Think it through step by step: first say whether the next state is (a) progress, (b) a "
+    "correction, redo or change request, or (c) ambiguous; then give the score alone on the last "
+    "line as \\boxed{1}, \\boxed{-1} or \\boxed{0}."
 )
 _ANSWER_ONLY = "Answer with the score alone: \\boxed{1}, \\boxed{-1} or \\boxed{0}."
 
@@ -142,8 +187,11 @@ def judge_messages(
 class GenerateJudge:
     """The seed's PRM: m judgements sampled concurrently at `temperature`; majority of the boxes.
 
-    A vote whose call raises or outlives `vote_timeout` seconds counts as unparseable and keeps
-    the error as its text. Vote i is sampled with seed `seed + i` when a seed is given."""
+    Each vote may generate `max_tokens` (the reference's 4096 by default: a thinking judge needs
+    them); its score is read after its thinking, and a vote cut at that budget without a score is
+    `truncated` (no vote). A vote whose call raises or outlives `vote_timeout` seconds counts as
+    unparseable and keeps the error as its text. Vote i is sampled with seed `seed + i` when a
+    seed is given."""
 
     name = "generate"
 
@@ -152,10 +200,10 @@ class GenerateJudge:
         complete: Complete,
         m: int = 3,
         temperature: float = 0.6,
-        max_tokens: int = 256,
+        max_tokens: int = PRM_MAX_TOKENS,
         *,
         seed: int | None = None,
-        vote_timeout: float = 120.0,
+        vote_timeout: float = 600.0,
     ) -> None:
         if m < 1:
             raise ValueError("m must be at least 1")
@@ -170,12 +218,12 @@ class GenerateJudge:
         seed = None if self.seed is None else self.seed + index
         try:
             with anyio.fail_after(self.vote_timeout):
-                text = await self.complete(messages, self.temperature, self.max_tokens, seed)
+                reply = await self.complete(messages, self.temperature, self.max_tokens, seed)
         except TimeoutError:
             return Vote(score=None, text=f"error: vote timed out after {self.vote_timeout:g}s")
         except Exception as error:  # a failed vote is an unparseable vote, not a failed verdict
             return Vote(score=None, text=f"error: {type(error).__name__}: {error}")
-        return Vote(score=parse_boxed(text), text=text)
+        return read_vote(reply)
 
     async def votes(self, messages: ChatMessages) -> list[Vote]:
         """m votes on one judge chat, concurrently, in index order."""
@@ -197,6 +245,7 @@ class GenerateJudge:
             votes=done,
             mode=self.name,
             seconds=time.perf_counter() - started,
+            truncated=sum(vote.truncated for vote in done),
         )
 
 
@@ -564,8 +613,8 @@ class GenerateHintJudge:
 
     name = "generate-hint"
 
-    def __init__(self, complete: Complete, m: int = 3, temperature: float = 0.6, max_tokens: int = 256, *, min_chars: int = 10,
-                 seed: int | None = None, vote_timeout: float = 120.0) -> None:
+    def __init__(self, complete: Complete, m: int = 3, temperature: float = 0.6, max_tokens: int = HINT_MAX_TOKENS, *,
+                 min_chars: int = 10, seed: int | None = None, vote_timeout: float = 600.0) -> None:
         self.voter = GenerateJudge(complete, m, temperature, max_tokens, seed=seed, vote_timeout=vote_timeout)
         self.min_chars = min_chars
 

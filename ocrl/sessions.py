@@ -390,12 +390,15 @@ class Sessions:
             crash_point("judging")
             if verdict is not None:
                 self.counters[f"verdict_{verdict.score:+d}" if verdict.score else "verdict_0"] += 1
+                # votes that hit the judge's token budget with no score: the budget, not the judge, failed
+                self.counters["votes_truncated"] += sum(vote.truncated for vote in verdict.votes)
                 if self.records:
                     self.records.verdict(turn.session_id, turn.index, verdict, next_state.content, next_state.role)
                 if self.events:
                     self.events.publish(VerdictReady(session_id=turn.session_id, index=turn.index, verdict=verdict))
             if hint is not None:
                 self.counters["hints_accepted" if hint.hint else "hints_none"] += 1
+                self.counters["hint_votes_truncated"] += sum(vote.truncated for vote in hint.votes)
                 if self.records:
                     self.records.hint(turn.session_id, turn.index, hint)
             self._settle(session, main_turn, verdict, hint)

@@ -99,10 +99,12 @@ class Turn(msgspec.Struct, kw_only=True):
 
 
 class Vote(msgspec.Struct):
-    """One judge vote: the parsed score (None when unparseable) and the text that produced it."""
+    """One judge vote: the parsed score (None when unparseable) and the text that produced it;
+    `truncated`: it ran into the judge's token budget before giving a score."""
 
     score: int | None
     text: str
+    truncated: bool = False
 
 
 class Verdict(msgspec.Struct):
@@ -112,6 +114,7 @@ class Verdict(msgspec.Struct):
     votes: list[Vote]
     mode: str
     seconds: float = 0.0
+    truncated: int = 0  # votes cut at the token budget with no score
 
 
 class Hint(msgspec.Struct):

@@ -83,7 +83,10 @@ class Daemon:
 class ScriptedJudge:
     """An OpenAI-compatible judge endpoint whose answers are scripted by the next state: the
     judge prompt contains the next state, and a next state holding `[votes: 1,-1,x]` makes the
-    i-th vote answer `\\boxed{1}`, `\\boxed{-1}`, or unparseable text."""
+    i-th vote answer `\\boxed{1}`, `\\boxed{-1}`, or unparseable text. `[think: N]` makes every
+    vote a thinking model's: N words of thinking in `<think>...</think>` before its answer, cut
+    at the request's max_tokens (one word a token) with finish_reason "length", as a server does;
+    `[think: N split]` returns the thinking in `reasoning_content`, as a reasoning parser does."""
 
     def __init__(self):
         from starlette.applications import Starlette
@@ -108,7 +111,20 @@ class ScriptedJudge:
             votes = match.group(1).split(",") if match else ["0"]
             vote = votes[i % len(votes)].strip()
             text = "no idea" if vote == "x" else f"Reasoning... \\boxed{{{vote}}}"
-            return JSONResponse({"choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}]})
+            think = re.search(r"\[think: (\d+)( split)?\]", prompt)
+            if think is None:
+                return JSONResponse({"choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}]})
+            words = ["<think>"] + ["hmm"] * int(think.group(1)) + ["</think>"] + text.split()
+            budget = body.get("max_tokens") or len(words)
+            finish = "length" if len(words) > budget else "stop"
+            words = words[:budget]
+            message = {"role": "assistant", "content": " ".join(words)}
+            if think.group(2):  # a reasoning parser: thinking apart, the answer (if any) as content
+                closed = "</think>" in words
+                thinking = words[1 : words.index("</think>")] if closed else words[1:]
+                answer = words[words.index("</think>") + 1 :] if closed else []
+                message = {"role": "assistant", "content": " ".join(answer) or None, "reasoning_content": " ".join(thinking)}
+            return JSONResponse({"choices": [{"index": 0, "message": message, "finish_reason": finish}]})
 
         import uvicorn
 

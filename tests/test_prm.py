@@ -11,13 +11,16 @@ import pytest
 from ocrl.prm import (
     VERDICT_PREFIX,
     EmbedJudge,
+    GenerateHintJudge,
     GenerateJudge,
+    Reply,
     VerdictJudge,
     evaluate,
     judge_messages,
     load_cases,
     majority,
     parse_boxed,
+    read_vote,
     tool_failure,
     verdict_probs_from_logprobs,
 )
@@ -31,23 +34,39 @@ DATA = Path(__file__).parent / "data"
 @pytest.mark.parametrize(
     ("text", "score"),
     [
+        # what the reference accepts: the last box holding one digit with an optional sign, if it is -1, 0 or 1
         ("\\boxed{1}", 1),
         ("\\boxed{-1}", -1),
         ("\\boxed{0}", 0),
         ("\\boxed{+1}", 1),
-        ("\\boxed{ - 1 }", -1),
-        ("\\boxed { 1 }", 1),
+        ("\\boxed{-0}", 0),  # int("-0") is 0, as in the reference
+        ("\\boxed{+0}", 0),
         ("The user thanks the assistant.\n\n\\boxed{1}", 1),
         ("At first \\boxed{1}, but the user corrects it: \\boxed{-1}", -1),  # the last box decides
-        ("\\boxed{-1} ... on reflection \\boxed{2}", None),  # a bad final answer is not skipped
-        ("\\boxed{2}", None),
-        ("\\boxed{good}", None),
-        ("\\boxed{-0}", None),
-        ("\\boxed{}", None),
+        ("\\boxed{-1} ... on reflection \\boxed{2}", None),  # a bad final digit is not skipped
+        ("\\boxed{-2}", None),
+        ("\\boxed{9}", None),
+        # boxes that hold anything but a signed digit are no score and are passed over
+        ("\\boxed{-1} then \\boxed{10}", -1),
+        ("\\boxed{1} then \\boxed{good}", 1),
         ("\\boxed{11}", None),
+        ("\\boxed{ 1 }", None),
+        ("\\boxed{ - 1 }", None),
+        ("\\boxed {1}", None),
+        ("\\boxed{1.0}", None),
+        ("\\boxed{+-1}", None),
+        ("\\boxed{\\text{1}}", None),
+        ("\\boxed{}", None),
+        ("\\boxed{", None),
         ("score: 1", None),
         ("boxed{1}", None),
         ("", None),
+        # a thinking judge: the score is read after its thinking, never from inside it
+        ("<think>It could be \\boxed{-1}... no.</think>\n\\boxed{1}", 1),
+        ("<think>Surely \\boxed{1}.</think>\nI cannot tell.", None),
+        ("<think>The user asks for a redo, so \\boxed{-1}", None),  # still thinking when it stopped
+        ("Qwen3-2507 opens its thinking in the prompt. \\boxed{0}</think>\n\\boxed{-1}", -1),
+        ("<think>a</think><think>b \\boxed{1}</think> \\boxed{0}", 0),  # after the last </think>
     ],
 )
 def test_parse_boxed(text, score):
@@ -85,6 +104,26 @@ def test_judge_messages_carry_response_next_state_and_role():
     assert "It is 13." in user[1]["content"] and "No, it's 12." in user[1]["content"]
     assert "user's next message" in user[1]["content"]
     assert "tool" in tool[1]["content"] and "user's next message" not in tool[1]["content"]
+
+
+@pytest.mark.parametrize("reasoning", [True, False])  # the generate judge's prompt, and the verdict judge's
+def test_the_rubric_keeps_the_reference_rules(reasoning):
+    system = judge_messages("r", "s", "user", reasoning=reasoning)[0]["content"]
+    # negative: redo, change request, rephrase, tool error; a change request is never neutral
+    for rule in ("done again", "change or fix what was just done", "rewords the same request", "returns an error",
+                 "request to change what the assistant just did is negative feedback, never a neutral new instruction"):
+        assert rule in system, rule
+    # neutral: an unrelated follow-up that neither confirms nor denies, or too little to tell
+    assert "neither confirms" in system and "too little to tell" in system
+    # positive: moving on, thanks, success, a clean tool result (it exists because the assistant called the tool)
+    assert "moves on" in system and "without error" in system and "only exists because the assistant made the call" in system
+    if reasoning:
+        assert "(b) a correction, redo or change request" in system  # classify first, as the reference asks
+
+
+def test_the_cases_hold_change_requests_labelled_negative():
+    cases = [c for c in load_cases(DATA / "prm_cases.jsonl") if c.kind == "change_request"]
+    assert len(cases) >= 6 and {c.expected for c in cases} == {-1}
 
 
 def test_judge_messages_clip_long_texts_at_both_ends():
@@ -127,6 +166,47 @@ async def test_generate_judge_majority(texts, score):
     assert verdict.score == score
     assert [vote.text for vote in verdict.votes] == list(texts)
     assert sorted(calls) == [(0.6, 64, 0), (0.6, 64, 1), (0.6, 64, 2)]
+
+
+def thinking_judge(words: int):
+    """A fake `complete` of a thinking model: `words` tokens of thinking, then its box, cut at the
+    max_tokens it is given (one word a token), finish_reason "length" when cut."""
+    calls = []
+
+    async def complete(messages, temperature, max_tokens, seed):
+        calls.append(max_tokens)
+        tokens = ["<think>", *["hmm"] * words, "</think>", "\\boxed{-1}"]
+        return Reply(" ".join(tokens[:max_tokens]), "length" if len(tokens) > max_tokens else "stop")
+
+    return complete, calls
+
+
+async def test_generate_judge_thinks_within_the_reference_budget_and_counts_truncated_votes():
+    complete, calls = thinking_judge(2000)  # four times the old 512-token budget
+    verdict = await GenerateJudge(complete, m=3, seed=0).judge("r", "s", "user")
+    assert calls == [4096] * 3  # the reference's --prm-max-new-tokens
+    assert verdict.score == -1 and verdict.truncated == 0
+    cut = await GenerateJudge(complete, m=3, seed=0, max_tokens=512).judge("r", "s", "user")
+    assert cut.score == 0 and cut.truncated == 3
+    assert all(vote.truncated and vote.score is None for vote in cut.votes)
+    hints = GenerateHintJudge(complete, m=2)
+    await hints.hint("r", "s", "user")
+    assert calls[-2:] == [8192, 8192]  # the reference's opd scripts
+
+
+@pytest.mark.parametrize(
+    ("reply", "score", "truncated"),
+    [
+        (Reply("\\boxed{1}", "length"), 1, False),  # a score right at the limit still counts
+        (Reply("<think>long", "length"), None, True),
+        (Reply("<think>done</think> no box", "stop"), None, False),  # stopped by itself: unparseable, not truncated
+        (Reply("<think>done</think> the answer is", "length"), None, True),
+        ("\\boxed{0}", 0, False),  # a bare string is a reply that stopped by itself
+    ],
+)
+def test_read_vote(reply, score, truncated):
+    vote = read_vote(reply)
+    assert (vote.score, vote.truncated) == (score, truncated)
 
 
 async def test_generate_judge_failed_vote_is_unparseable():
@@ -288,3 +368,24 @@ def test_cases_files_are_valid_and_disjoint():
     kinds = {case.kind for case in cases}
     assert {"thanks", "next_task", "correction", "redo", "rephrase", "style"} <= kinds
     assert {"tool_ok", "tool_error", "off_topic", "ambiguous"} <= kinds
+
+
+async def test_engine_completer_caps_the_budget_at_the_judge_context(monkeypatch):
+    from types import SimpleNamespace
+
+    from ocrl import chat
+    from ocrl.daemon import EngineCompleter
+
+    asked = []
+
+    async def generate(ids, params):
+        asked.append(params.max_tokens)
+        return SimpleNamespace(text="\\boxed{1}", finish_reason="length")
+
+    monkeypatch.setattr(chat, "prompt_ids", lambda tokenizer, messages, tools=None: list(range(1000)))
+    engine = SimpleNamespace(max_context=3000, generate=generate)
+    reply = await EngineCompleter(engine, tokenizer=None)([{"role": "user", "content": "x"}], 0.6, 4096, None)
+    assert asked == [2000] and reply == Reply("\\boxed{1}", "length")  # 3000 - 1000 prompt tokens
+    engine.max_context = 1000
+    with pytest.raises(ValueError, match="judge's context is 1000"):
+        await EngineCompleter(engine, tokenizer=None)([{"role": "user", "content": "x"}], 0.6, 4096, None)

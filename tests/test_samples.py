@@ -177,3 +177,25 @@ async def test_sigkill_after_journaling_requeues_samples_none_twice(tmp_path):
         assert read_jsonl(run_dir / "metrics.jsonl")[0]["samples"] == 3
     finally:
         assert second.stop() == 0
+
+
+async def test_a_thinking_judge_scores_past_the_old_budget_and_a_truncated_vote_is_counted(judged_daemon):
+    # The scripted judge thinks 1500 tokens before its box: three times the old 512-token budget,
+    # well inside the reference's 4096 (the default now). Thinking returned apart by a reasoning
+    # parser scores too. A vote that needs 5000 tokens is cut at 4096: no vote, counted as truncated
+    # in the stats, in verdicts.jsonl and on each vote.
+    before = judged_daemon.stats()["sessions"].get("votes_truncated", 0)
+    async with judged_daemon.client() as client:
+        await run_session(client, "think", ["thanks [votes: 1,1,1] [think: 1500]", "fix it [votes: -1,-1,-1] [think: 1500 split]",
+                                            "ok [votes: 1,1,1] [think: 5000]"])
+    await wait_for(lambda: len(samples_of(judged_daemon, "think")) == 4)
+    samples = sorted(samples_of(judged_daemon, "think"), key=lambda s: s["turn_index"])
+    assert [s["score"] for s in samples] == [1, -1, 0, None]
+    assert [v["score"] for v in samples[1]["votes"]] == [-1, -1, -1]
+    assert samples[1]["votes"][0]["text"].startswith("<think>hmm")  # the thinking stays in the record
+    assert [v["truncated"] for v in samples[2]["votes"]] == [True, True, True]
+    assert all(v["score"] is None and v["text"].startswith("<think>") for v in samples[2]["votes"])
+    verdicts = sorted((v for v in read_jsonl(judged_daemon.record_dir / "verdicts.jsonl") if v["session_id"] == "think"),
+                      key=lambda v: v["turn_index"])
+    assert [v["truncated"] for v in verdicts] == [0, 0, 3]
+    assert judged_daemon.stats()["sessions"]["votes_truncated"] - before == 3

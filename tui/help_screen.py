@@ -22,11 +22,12 @@ HELP = """\
   reward of each training step.
 - **latest samples**: newest first. *Highlighted*: mask forced to 1 by the at-least-one rule
   (promoted). *Dim italic*: mask 0, recorded but not trained on. `votes` lists each judge
-  vote (`?`: no parseable score); verdict `none`: the session ended before a next state.
+  vote (`?`: no parseable score; `✂`: cut at the judge's token budget, no vote); verdict `none`: the session ended before a next state.
 - **losses per step**: policy-gradient loss, KL to the reference, clip fraction, entropy,
   gradient norm, each on its own scale.
 - **sessions** and **engine**: the daemon's counters, read every second; under sessions,
-  the most recently active ones.
+  the most recently active ones. `votes truncated` counts judge votes cut at their token
+  budget (`--prm-max-tokens`, `--hint-max-tokens`); a growing count means the budget is too small.
 """
 
 

@@ -11,7 +11,7 @@ from textual.screen import ModalScreen
 from textual.widgets import Static
 
 from ocrl.types import Sample
-from tui.samples_table import score_text
+from tui.samples_table import score_text, vote_text
 from tui.sources import Source
 
 
@@ -64,7 +64,7 @@ class SampleScreen(ModalScreen[None]):
                 yield Static(sample.next_state, markup=False, classes="body", id="next-state")
             yield Static(f"votes ({len(sample.votes)})", classes="heading")
             for i, vote in enumerate(sample.votes):
-                yield Static(f"{i + 1}. {score_text(vote.score)}", classes="heading")
+                yield Static(f"{i + 1}. {vote_text(vote)}", classes="heading")
                 yield Static(vote.text or "(empty)", markup=False, classes="body", id=f"vote-{i}")
             if sample.method != "rl":
                 yield Static("hint", classes="heading")
@@ -74,7 +74,7 @@ class SampleScreen(ModalScreen[None]):
                     yield Static("\n".join(f"- {h}" for h in sample.experience), markup=False, classes="body", id="experience")
                 yield Static(f"hint votes ({len(sample.hint_votes)})", classes="heading")
                 for i, vote in enumerate(sample.hint_votes):
-                    yield Static(f"{i + 1}. {score_text(vote.score)}: {vote.text or '(empty)'}", markup=False, classes="body", id=f"hint-vote-{i}")
+                    yield Static(f"{i + 1}. {vote_text(vote)}: {vote.text or '(empty)'}", markup=False, classes="body", id=f"hint-vote-{i}")
 
     def on_mount(self) -> None:
         self.run_worker(self._decode(), exit_on_error=False)

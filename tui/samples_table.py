@@ -26,6 +26,11 @@ def score_text(score: int | None) -> str:
     return "?" if score is None else f"{score:+d}" if score else "0"
 
 
+def vote_text(vote) -> str:
+    """A vote as the table shows it; `✂` for one cut at the judge's token budget (no score)."""
+    return "✂" if vote.truncated else score_text(vote.score)
+
+
 def row_style(sample: Sample) -> str:
     if sample.promoted:
         return PROMOTED_STYLE
@@ -42,7 +47,7 @@ def row_cells(seq: int, sample: Sample) -> list[str]:
         str(seq),
         short(sample.session_id),
         str(sample.turn_index),
-        " ".join(score_text(vote.score) for vote in sample.votes) or "—",
+        " ".join(vote_text(vote) for vote in sample.votes) or "—",
         "none" if sample.score is None else score_text(sample.score),
         ("1 promoted" if sample.promoted else "1") if sample.effective else "0",
         f"{sample.reward:+.2f}",

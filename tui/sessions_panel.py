@@ -1,5 +1,5 @@
 """Sessions: the counters from the polled stats (open, main turns, waiting for their next
-state, judging, closed, samples by mask) and, from events, the most recently active sessions
+state, judging, closed, samples by mask, judge votes cut at their token budget) and, from events, the most recently active sessions
 with their main-turn count and state.
 """
 
@@ -29,6 +29,7 @@ class SessionCounters(msgspec.Struct, frozen=True):
     mask1: int = 0
     mask0: int = 0
     promoted: int = 0
+    truncated: int = 0  # PRM and hint votes that ran out of tokens before a score
 
 
 class Activity(msgspec.Struct):
@@ -62,6 +63,7 @@ class SessionsPanel(Widget):
             mask1=sessions.get("samples_mask1", 0),
             mask0=sessions.get("samples_mask0", 0),
             promoted=sessions.get("samples_promoted", 0),
+            truncated=sessions.get("votes_truncated", 0) + sessions.get("hint_votes_truncated", 0),
         )
 
     def observe(self, event: SessionChanged | TurnServed | SampleReady) -> None:
@@ -98,6 +100,8 @@ class SessionsPanel(Widget):
         counters.add_row("judging", Text(str(c.judging), style="bold #e0af68" if c.judging else ""))
         counters.add_row("closed", str(c.closed))
         counters.add_row("mask 1 · 0 · promoted", f"{c.mask1} · {c.mask0} · {c.promoted}")
+        # a judge that keeps running out of tokens needs a larger --prm-max-tokens / --hint-max-tokens
+        counters.add_row("votes truncated", Text(str(c.truncated), style="bold #f7768e" if c.truncated else ""))
         recent = Table.grid(padding=(0, 1), expand=True)
         recent.add_column(no_wrap=True, overflow="ellipsis", ratio=1)
         recent.add_column(justify="right", no_wrap=True)
