@@ -86,7 +86,7 @@ class ChatRequest(msgspec.Struct):
     response_format: dict[str, Any] | None = None
     n: Annotated[int, msgspec.Meta(ge=1, le=16)] = 1  # several samples of one prompt: a group (sessions.py)
     session_id: str | None = None
-    turn_type: Literal["main", "side"] | None = None
+    turn_type: str | None = None  # main | side, any case; checked with the header
     session_done: bool | None = None
 
 
@@ -348,9 +348,12 @@ class Api:
             await self._prepare(constraint)
             params = msgspec.structs.replace(params, grammar=constraint)
         headers = http.headers
-        turn_type = headers.get("x-turn-type") or body.turn_type
+        given = headers.get("x-turn-type") or body.turn_type
+        # any case, as the reference reads it; but an unknown value is refused, not taken as side
+        # (the reference's rule), so a typo cannot silently turn a client's turns into no training data
+        turn_type = given.strip().lower() if given else None
         if turn_type not in (None, "main", "side"):
-            raise ApiError(400, f"X-Turn-Type must be 'main' or 'side', not {turn_type!r}", param="turn_type")
+            raise ApiError(400, f"X-Turn-Type must be 'main' or 'side', not {given!r}", param="turn_type")
         try:
             ticket = self.sessions.begin(
                 session_id=headers.get("x-session-id") or body.session_id,
@@ -441,7 +444,9 @@ class Api:
             raise ApiError(400, str(e), param=e.param, code="unsupported_constraint") from None
 
     def _sampling(self, body: ChatRequest, room: int) -> SamplingParams:
-        wanted = body.max_completion_tokens or body.max_tokens or self.config.default_max_tokens
+        # no max_tokens: up to the rest of the context, as OpenAI's API and the reference (which forwards
+        # the request as it came) do; --default-max-tokens N caps it
+        wanted = body.max_completion_tokens or body.max_tokens or self.config.default_max_tokens or room
         stop = body.stop if isinstance(body.stop, list) else ([body.stop] if body.stop else [])
         if len(stop) > 16 or any(not s for s in stop):
             raise ApiError(400, "`stop` takes up to 16 non-empty strings", param="stop")

@@ -40,7 +40,7 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_body_bytes: int = 8 * 1024 * 1024
     max_messages: int = 1024
     max_queued_requests: int = 256
-    default_max_tokens: int = 512
+    default_max_tokens: int = 0  # completion tokens of a request without max_tokens; 0 = the rest of the context
     context_length: int = 0  # prompt + completion tokens; 0 = what the model was trained for
     # HF engine: KV states of finished sequences kept for prompts that start with them (agent
     # turns, shared system prompts); auto = 1/16 of RAM (GPU memory on CUDA), off, 2GiB, 32k tokens

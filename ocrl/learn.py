@@ -109,7 +109,8 @@ async def bench_learn(
         results[method] = await learn_once(
             msgspec.structs.replace(variants[method], record_dir=str(root / method.replace(":", "-"))), persona_name=persona_name, turns=turns,
             concurrency=concurrency, probe_every=probe_every, tasks=tasks, max_tokens=max_tokens, probe_samples=probe_samples,
-            check_placement=not results and any(m.split(":")[0] != "rl" for m in methods),
+            # the placement probes (three probe sets) only when the specs compare where the hint goes
+            check_placement=not results and any(o in ("user", "system") for m in methods for o in m.split(":")[1:]),
             baseline=first["rows"][0] if first else None,
         )
     persona = simulate.PERSONAS[persona_name]

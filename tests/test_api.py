@@ -153,6 +153,56 @@ def test_bad_request_is_400_naming_the_field(daemon, body, param):
         assert error["param"] == param
 
 
+@pytest.mark.parametrize(
+    ("headers", "body_field", "turn_type"),
+    [
+        ({"X-Turn-Type": "Main"}, None, "main"),
+        ({"X-Turn-Type": " SIDE "}, None, "side"),
+        ({}, "Side", "side"),
+        ({}, "MAIN", "main"),
+    ],
+)
+def test_turn_type_is_read_in_any_case(daemon, headers, body_field, turn_type):
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "session_done": True}
+    if body_field is not None:
+        body["turn_type"] = body_field
+    reply = _post(daemon, json.dumps(body), **headers)
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["ocrl"]["turn_type"] == turn_type
+
+
+@pytest.mark.parametrize(("headers", "body_field"), [({"X-Turn-Type": "mian"}, None), ({}, "background")])
+def test_an_unknown_turn_type_is_400_naming_the_allowed_values(daemon, headers, body_field):
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    if body_field is not None:
+        body["turn_type"] = body_field
+    error = _error(_post(daemon, json.dumps(body), **headers), 400)
+    assert error["param"] == "turn_type" and "'main' or 'side'" in error["message"]
+
+
+def test_no_max_tokens_may_use_the_rest_of_the_context():
+    # OpenAI's API has no 512 cap, and the reference forwards the client's request unchanged
+    from types import SimpleNamespace
+
+    import msgspec
+
+    from ocrl.api import Api, ChatRequest
+    from ocrl.config import Config
+
+    plain = msgspec.convert({"messages": [{"role": "user", "content": "hi"}]}, ChatRequest)
+    api = SimpleNamespace(config=Config())
+    assert Api._sampling(api, plain, 5000).max_tokens == 5000
+    assert Api._sampling(api, msgspec_replace(plain, max_tokens=7), 5000).max_tokens == 7
+    assert Api._sampling(api, msgspec_replace(plain, max_tokens=9000), 5000).max_tokens == 5000  # clamped to the room
+    assert Api._sampling(SimpleNamespace(config=Config(default_max_tokens=64)), plain, 5000).max_tokens == 64
+
+
+def msgspec_replace(struct, **fields):
+    import msgspec
+
+    return msgspec.structs.replace(struct, **fields)
+
+
 def test_prompt_longer_than_context(daemon):
     words = "hello " * 9000  # ~9000 tokens > the 8192 context
     error = _error(_post(daemon, '{"messages": [{"role": "user", "content": "%s"}]}' % words), 400)
