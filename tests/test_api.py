@@ -157,7 +157,8 @@ def test_bad_request_is_400_naming_the_field(daemon, body, param):
     ("headers", "body_field", "turn_type"),
     [
         ({"X-Turn-Type": "Main"}, None, "main"),
-        ({"X-Turn-Type": " SIDE "}, None, "side"),
+        ({"X-Turn-Type": "SIDE"}, None, "side"),
+        ({}, " side ", "side"),
         ({}, "Side", "side"),
         ({}, "MAIN", "main"),
     ],
