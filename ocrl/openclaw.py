@@ -54,7 +54,8 @@ def base_url(config) -> str:
 def openclaw_config(config, *, lean: bool = False, model_id: str | None = None, context: int | None = None) -> dict:
     if model_id is None or context is None:
         model_id, context = model_facts(config)
-    max_tokens = min(config.default_max_tokens, LEAN_MAX_TOKENS) if lean else config.default_max_tokens
+    cap = config.default_max_tokens or context  # 0: a request may use what is left of the context
+    max_tokens = min(cap, LEAN_MAX_TOKENS) if lean else cap
     provider = {
         "baseUrl": base_url(config),
         "apiKey": config.api_key or LOCAL_KEY,

@@ -167,3 +167,6 @@ def test_openclaw_config_matches_the_daemon_flags(capsys):
     assert lean["models"]["providers"]["ocrl"]["apiKey"] == "ocrl-local"
     assert lean["agents"]["defaults"]["contextInjection"] == "never" and lean["agents"]["defaults"]["skills"] == []
     assert lean["tools"] == {"profile": "minimal", "toolSearch": False}
+    assert main(["openclaw-config", "--context-length", "4096"]) == 0  # no --default-max-tokens: the context is the cap
+    [model] = json.loads(capsys.readouterr().out)["models"]["providers"]["ocrl"]["models"]
+    assert model["maxTokens"] == model["contextWindow"] == 4096
