@@ -594,8 +594,9 @@ def hint_messages(response: str, next_state: str, role: str, *, max_chars: int =
 
 
 def parse_hint(text: str) -> str | None:
-    """The text of the last complete hint block, whitespace collapsed; None without one."""
-    blocks = _HINT_BLOCK.findall(text or "")
+    """The text of the last complete hint block after the judge's thinking, whitespace collapsed;
+    None without one (a block drafted inside the thinking is not the answer)."""
+    blocks = _HINT_BLOCK.findall(after_thinking(text or "") or "")
     return " ".join(blocks[-1].split()) if blocks else None
 
 

@@ -23,6 +23,10 @@ from test_trainer import base, make_config, make_engine, make_samples, teacher_f
 def test_parse_hint_takes_the_last_complete_block_and_collapses_whitespace():
     assert prm.parse_hint("[HINT]first[/HINT] then [HINT]  Keep it\n short. [/HINT] \\boxed{1}") == "Keep it short."
     assert prm.parse_hint("[HINT] unterminated \\boxed{1}") is None
+    # a thinking judge: the block after its thinking counts, a draft inside it does not
+    assert prm.parse_hint("<think>maybe [HINT]draft hint here[/HINT]</think>[HINT]Answer in one line.[/HINT] \\boxed{1}") == "Answer in one line."
+    assert prm.parse_hint("<think>maybe [HINT]draft hint here[/HINT]</think> \\boxed{-1}") is None
+    assert prm.parse_hint("<think>[HINT]cut off mid-thought[/HINT]") is None
     assert prm.parse_hint("no hint \\boxed{-1}") is None
 
 
