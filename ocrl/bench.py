@@ -213,13 +213,17 @@ async def bench_train(config, repeats: int, max_tokens: int) -> None:
         started = time.perf_counter()  # what run() spends while the batch fills, one sample at a time
         references = await anyio.to_thread.run_sync(lambda: trainer.response_logprobs(batch, reference=True))
         prefetch_s = time.perf_counter() - started
-        step_s, inline_s, bare_s, swap_s, forward_s = [], [], [], [], []
+        step_s, inline_s, kl0_s, bare_s, swap_s, forward_s = [], [], [], [], [], []
+        with_kl, without_kl = trainer.config, msgspec.structs.replace(trainer.config, kl_coef=0.0)
         trainer.probe = batch[0]
         await anyio.to_thread.run_sync(bare_step)  # warm-up
         for _ in range(repeats):
             bare_s.append(await anyio.to_thread.run_sync(timed, bare_step))
             step_s.append(await anyio.to_thread.run_sync(timed, trainer._train, batch, references))
             inline_s.append(await anyio.to_thread.run_sync(timed, trainer._train, batch))
+            trainer.config = without_kl  # --kl-coef 0: no reference forward in the step at all
+            kl0_s.append(await anyio.to_thread.run_sync(timed, trainer._train, batch))
+            trainer.config = with_kl
             tensors = trainer.published_weights()
             started = time.perf_counter()
             await engine.update_weights(tensors, engine.weights_version + 1)
@@ -296,6 +300,8 @@ async def bench_train(config, repeats: int, max_tokens: int) -> None:
     print(f"  trainer step / bare fwd+bwd+step   {med(step_s) / med(bare_s):6.3f}x   ({med(step_s):.2f} s vs {med(bare_s):.2f} s; target <= 1.3x; "
           f"reference log-probs prefetched while the batch fills: {prefetch_s:.2f} s off the step's path)")
     print(f"    the same, reference inline       {med(inline_s) / med(bare_s):6.3f}x   ({med(inline_s):.2f} s; a step whose samples had no idle time before it)")
+    print(f"    the same, --kl-coef 0            {med(kl0_s) / med(bare_s):6.3f}x   ({med(kl0_s):.2f} s, no reference forward; "
+          f"{med(kl0_s) / med(inline_s):.3f}x the inline step, {med(kl0_s) / med(step_s):.3f}x the prefetched one)")
     print(f"  swap / one forward pass            {med(swap_s) / med(forward_s):6.3f}x   ({med(swap_s) * 1000:.0f} ms vs {med(forward_s) * 1000:.0f} ms; target < 1x)")
     print(f"  streaming when a step starts: longest gap / decode step    {max(busy_gaps) / decode:6.2f}x   ({max(busy_gaps) * 1000:.0f} ms vs "
           f"{decode * 1000:.0f} ms over {len(busy_gaps)} tokens, {sum(busy_gaps):.0f} s; target <= 1x)")
