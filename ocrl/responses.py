@@ -73,7 +73,7 @@ class ResponsesRequest(msgspec.Struct):
     store: bool = True
     metadata: dict[str, Any] | None = None
     session_id: str | None = None
-    turn_type: Literal["main", "side"] | None = None
+    turn_type: str | None = None  # main | side, any case (checked by the chat path)
     session_done: bool | None = None
 
 
