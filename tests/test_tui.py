@@ -85,7 +85,7 @@ SNAPSHOT = {
     "engine": {"queue_depth": 3, "active": 2, "generated_tokens": 120},
     "sessions": {
         "sessions_open": 1, "sessions_waiting_next_state": 1, "judging": 2, "main_turns": 4, "sessions_closed": 1,
-        "samples_mask1": 2, "samples_mask0": 2, "samples_promoted": 1,
+        "samples_mask1": 2, "samples_mask0": 2, "samples_promoted": 1, "votes_truncated": 2, "hint_votes_truncated": 1,
     },  # fmt: skip
     "samples": {"queued": 0, "journal_backlog_at_start": 0},
     "requests": {"total": 20, "by_status": {"200": 14, "400": 4, "401": 2}, "refused": {"invalid_api_key": 2, "context_length_exceeded": 3, "invalid_request_error": 1}, "refused_total": 6},
@@ -193,6 +193,10 @@ async def test_widgets_show_the_scripted_events():
         c = sessions.counters
         assert (c.open, c.main_turns, c.waiting, c.judging, c.closed) == (1, 4, 1, 2, 1)
         assert (c.mask1, c.mask0, c.promoted) == (2, 2, 1)
+        assert c.truncated == 3  # PRM and hint votes cut at their token budget
+        console = Console(width=40, record=True, file=io.StringIO())
+        console.print(sessions.render())
+        assert ["votes", "truncated", "3"] in [line.split() for line in console.export_text().splitlines()]
         assert {sid: (a.state, a.main_turns) for sid, a in sessions.recent.items()} == {"a": ("open", 2), "b": ("closed", 2)}
 
         panel = app.query_one(ProgressPanel)
@@ -653,3 +657,9 @@ async def test_a_distilled_sample_shows_its_signal_hint_and_teacher_advantage():
         assert str(screen.query_one("#hint").render()) == "Too long. Answer in one sentence."
         assert str(screen.query_one("#experience").render()) == "- End with a question [bold]."  # never markup
         assert str(screen.query_one("#hint-vote-0").render()) == "1. +1: [HINT]Too long. Answer in one sentence.[/HINT]"
+
+
+def test_a_truncated_vote_shows_as_cut():
+    from tui.samples_table import vote_text
+
+    assert [vote_text(v) for v in (Vote(1, "\\boxed{1}"), Vote(None, "no idea"), Vote(None, "<think>...", truncated=True))] == ["+1", "?", "✂"]
