@@ -478,9 +478,12 @@ class Trainer:
         self, group: list[Sample], micro: _MicroBatch, prefetched: dict[int, torch.Tensor]
     ) -> torch.Tensor:
         """Reference log-probs of `group` as (B, R), laid out like `micro`: the prefetched
-        ones as they are, the others from one no-grad forward of just those samples."""
+        ones as they are, the others from one no-grad forward of just those samples (a sample
+        alone, i.e. a long one, through the reference's prefix cache)."""
         missing = [s for s in group if id(s) not in prefetched]
-        if missing:
+        if len(missing) == 1 and self.reference_prefix.enabled:
+            prefetched = prefetched | {id(missing[0]): self.response_logprobs(missing, reference=True)[0]}
+        elif missing:
             # none prefetched (the common cold case): the group's own micro-batch serves as is
             missing_micro = micro if len(missing) == len(group) else _MicroBatch.of(missing, self.device)
             model, mode = self._reference_mode()
