@@ -240,30 +240,60 @@ async def test_the_next_turn_reports_its_cached_prompt_tokens(daemon):
 # -- the trainer's reference pass ---------------------------------------------------------------
 
 
-@pytest.mark.parametrize("full_finetune", [False, True])
-def test_the_reference_reuses_a_sessions_earlier_turns_and_gives_the_same_logprobs(full_finetune):
-    from ocrl.config import Config
-    from ocrl.train.trainer import Trainer
+def session_samples() -> list:
+    """Three turns of one session: each prompt is the previous turn's prompt + response + more."""
     from ocrl.types import Sample
 
-    model = tiny_engine().model
-    config = dict(rollout_batch_size=2, lora_rank=4, lora_alpha=8, save_interval=0, full_finetune=full_finetune)
-    cached = Trainer(Config(**config, prefix_cache="64MB"), model, engine=None, yield_to=None)
-    plain = Trainer(Config(**config, prefix_cache="off"), model, engine=None, yield_to=None)
-    assert cached.reference_prefix.enabled and not plain.reference_prefix.enabled
     tokens, samples = [1, 5, 6, 7, 8, 9, 10], []
-    for turn in range(3):  # each turn's prompt is the previous turn's prompt + response + more
+    for turn in range(3):
         response = [11 + turn, 12, 13, 14]
         tokens = tokens + response
         samples.append(Sample(sample_id=str(turn), session_id="s", turn_index=turn, tokens=list(tokens), response_length=4,
                               loss_mask=[1] * 4, rollout_logprobs=[-1.0] * 4, reward=1.0, weights_version=0, score=1))
         tokens = tokens + [3, 4, 20 + turn]
+    return samples
+
+
+def trainers(**overrides):
+    """Two trainers of the same model, with and without the reference's prefix cache."""
+    from ocrl.config import Config
+    from ocrl.train.trainer import Trainer
+
+    model = tiny_engine().model
+    config = dict(rollout_batch_size=3, lora_rank=4, lora_alpha=8, save_interval=0, lr=1e-2) | overrides
+    cached = Trainer(Config(**config, prefix_cache="64MB"), model, engine=None, yield_to=None)
+    plain = Trainer(Config(**config, prefix_cache="off"), model, engine=None, yield_to=None)
+    assert cached.reference_prefix.enabled and not plain.reference_prefix.enabled
+    return cached, plain
+
+
+@pytest.mark.parametrize("full_finetune", [False, True])
+def test_the_reference_reuses_a_sessions_earlier_turns_and_gives_the_same_logprobs(full_finetune):
+    cached, plain = trainers(full_finetune=full_finetune)
+    samples = session_samples()
     with_cache = cached.response_logprobs(samples, reference=True)
     without = plain.response_logprobs(samples, reference=True)
     for a, b in zip(with_cache, without):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
     # turns 2 and 3 computed only what turn 1 and 2 had not: the whole earlier sequence was kept
     assert cached.reference_prefix.cache.hit_tokens == len(samples[0].tokens) + len(samples[1].tokens)
+
+
+def test_a_step_with_long_samples_alone_takes_its_reference_from_the_cache_and_the_same_update():
+    """Samples over the micro-batch budget go alone; their inline reference pass goes through
+    the cache, and the step (KL term included) is the one without it."""
+    cached, plain = trainers(micro_batch_tokens=8, kl_coef=0.5)
+    samples = session_samples()
+    for trainer in (cached, plain):
+        trainer.probe = samples[0]
+    for _ in range(2):  # the second step's policy has moved off the reference: a KL to get right
+        metrics_cached, _, _ = cached._train(samples)
+        metrics_plain, _, _ = plain._train(samples)
+    assert cached.reference_prefix.cache.hit_tokens > 0
+    assert metrics_cached["kl"] > 1e-4
+    assert metrics_cached["kl"] == pytest.approx(metrics_plain["kl"], rel=1e-4)
+    for (name, a), (_, b) in zip(cached.model.named_parameters(), plain.model.named_parameters()):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=0, msg=name)
 
 
 def test_the_agent_bench_sends_openclaw_shaped_prompts(embedded):
