@@ -15,9 +15,9 @@ def run_async(fn, *args) -> None:
     try:
         import uvloop  # noqa: F401
 
-        anyio.run(fn, *args, backend_options={"use_uvloop": True})
+        return anyio.run(fn, *args, backend_options={"use_uvloop": True})
     except ImportError:
-        anyio.run(fn, *args)
+        return anyio.run(fn, *args)
 
 
 def add_simulation_flags(parser: argparse.ArgumentParser) -> None:
@@ -41,9 +41,10 @@ def main(argv: list[str] | None = None) -> int:
     config_mod.add_flags(serve)
     bench = commands.add_parser("bench", help="benchmarks, each a ratio against a baseline in the same run")
     bench.add_argument(
-        "which", choices=["serve", "train", "learn", "soak", "gpu"],
-        help="serve: proxy overhead and batching; train: step, swap and stall; learn: a learning curve; soak: concurrent sessions for --seconds; gpu: engines on CUDA (swap, stall, step, tokens/s)",
+        "which", choices=["serve", "train", "learn", "soak", "gpu", "openclaw"],
+        help="serve: proxy overhead and batching; train: step, swap and stall; learn: a learning curve; soak: concurrent sessions for --seconds; gpu: engines on CUDA (swap, stall, step, tokens/s); openclaw: the real OpenClaw CLI end to end (needs node >= 24.16 and openclaw)",
     )
+    bench.add_argument("--openclaw", default=None, help="openclaw: the folder where `npm install node@24 openclaw` ran (or the CLI; default: on PATH, or $OCRL_OPENCLAW)")
     bench.add_argument("--seconds", type=float, default=60.0, help="soak: how long to drive --concurrency sessions")
     bench.add_argument("--repeats", type=int, default=5)
     bench.add_argument("--max-tokens", type=int, default=None, help="completion tokens per request (serve/train 32, learn 48)")
@@ -104,8 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "bench":
         from ocrl import bench as bench_mod
 
-        run_async(bench_mod.run, args.which, config, args)
-        return 0
+        return run_async(bench_mod.run, args.which, config, args) or 0
     return 2
 
 

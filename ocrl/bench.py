@@ -51,6 +51,10 @@ async def run(which: str, config, args) -> None:
         await bench_train(config, args.repeats, args.max_tokens or 32)
     elif which == "soak":
         await bench_soak(config, sessions=args.concurrency, seconds=args.seconds, max_tokens=args.max_tokens or 4)
+    elif which == "openclaw":
+        from ocrl.bench_openclaw import bench_openclaw
+
+        return await bench_openclaw(config, args)
     elif which == "gpu":
         from ocrl.bench_gpu import bench_gpu
 
