@@ -42,6 +42,9 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_queued_requests: int = 256
     default_max_tokens: int = 0  # completion tokens of a request without max_tokens; 0 = the rest of the context
     context_length: int = 0  # prompt + completion tokens; 0 = what the model was trained for
+    # past the trained window only with RoPE scaling (HF engine): positions stretched by
+    # context_length / trained; quality drops and every token of a long prompt costs (README)
+    rope_scaling: Literal["off", "yarn", "linear"] = "off"
     # HF engine: KV states of finished sequences kept for prompts that start with them (agent
     # turns, shared system prompts); auto = 1/16 of RAM (GPU memory on CUDA), off, 2GiB, 32k tokens
     prefix_cache: str = "auto"

@@ -157,7 +157,10 @@ class Daemon:
         set_threads(config)
         self.events.publish(Progress(task="loading model", done=0, total=3))
         loaded = await anyio.to_thread.run_sync(
-            lambda: models.load(config.model, device=config.device, dtype=config.dtype, random_init=config.random_init)
+            lambda: models.load(
+                config.model, device=config.device, dtype=config.dtype, random_init=config.random_init,
+                context_length=config.context_length, rope_scaling=config.rope_scaling,
+            )
         )
         self.loaded = loaded
         self.events.publish(Progress(task="loading model", done=1, total=3))

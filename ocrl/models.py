@@ -155,8 +155,13 @@ def quiet_progress_bars() -> None:
         hf_logging.disable_progress_bar()
 
 
-def load(model: str = "embedded", *, device: str = "auto", dtype: str = "auto", random_init: str = "") -> LoadedModel:
-    """`random_init` names an architecture to build with random weights instead (see random_init.py)."""
+def load(
+    model: str = "embedded", *, device: str = "auto", dtype: str = "auto", random_init: str = "", context_length: int = 0,
+    rope_scaling: str = "off",
+) -> LoadedModel:
+    """`random_init` names an architecture to build with random weights instead (see random_init.py).
+    `rope_scaling` (yarn | linear) with a `context_length` above the trained window stretches the
+    rotary positions to reach it (see `scaled_config`)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -176,8 +181,11 @@ def load(model: str = "embedded", *, device: str = "auto", dtype: str = "auto", 
     log.info("loading %s from %s (%s, %s)", name, where, device, str(torch_dtype).removeprefix("torch."))
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(where), **local_only)
+        extra = {}
+        if rope_scaling != "off":
+            extra["config"] = scaled_config(where, context_length, rope_scaling)
         weights = AutoModelForCausalLM.from_pretrained(
-            str(where), dtype=torch_dtype, attn_implementation=attn_implementation(device, torch_dtype), **local_only
+            str(where), dtype=torch_dtype, attn_implementation=attn_implementation(device, torch_dtype), **local_only, **extra
         )
     except OSError as e:
         raise ModelError(f"cannot load --model {model!r} from local files ({e}); nothing is downloaded") from None
@@ -190,5 +198,32 @@ def load(model: str = "embedded", *, device: str = "auto", dtype: str = "auto", 
 
 def context_window(config, trained: int) -> int:
     """Prompt + completion tokens the engines allow: --context-length, capped at what the model
-    was trained for (the engines apply the same rule to the loaded model's config)."""
+    was trained for unless RoPE scaling stretches it (the engines read the loaded model's config)."""
+    if config.rope_scaling != "off" and config.context_length > trained:
+        return config.context_length
     return min(config.context_length, trained) if config.context_length > 0 else trained
+
+
+def scaled_config(where, context_length: int, kind: str):
+    """The model's config with its rotary positions stretched to `context_length` (static scaling,
+    so a prompt's cached keys and later tokens agree): yarn interpolates the low frequencies and
+    keeps the high ones; linear divides every position. Logs a warning: the model never saw these
+    positions in training."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(str(where), local_files_only=True)
+    trained = int(config.max_position_embeddings)
+    if context_length <= trained:
+        log.warning("--rope-scaling %s ignored: --context-length %d is within the trained window of %d", kind, context_length, trained)
+        return config
+    factor = context_length / trained
+    parameters = dict(getattr(config, "rope_parameters", None) or {})
+    parameters.update(rope_type=kind, factor=factor, original_max_position_embeddings=trained)
+    parameters.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    config.rope_parameters = parameters
+    config.max_position_embeddings = context_length
+    log.warning(
+        "RoPE %s scaling x%.2f: serving %d tokens on a model trained for %d; long prompts read worse and cost more "
+        "(prefill and training memory grow with length)", kind, factor, context_length, trained,
+    )
+    return config

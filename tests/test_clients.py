@@ -170,3 +170,21 @@ def test_openclaw_config_matches_the_daemon_flags(capsys):
     assert main(["openclaw-config", "--context-length", "4096"]) == 0  # no --default-max-tokens: the context is the cap
     [model] = json.loads(capsys.readouterr().out)["models"]["providers"]["ocrl"]["models"]
     assert model["maxTokens"] == model["contextWindow"] == 4096
+
+
+def test_rope_scaling_stretches_the_window_only_when_asked(capsys, caplog):
+    from ocrl import models
+    from ocrl.__main__ import main
+
+    where = models.dequantise_to_cache(models.embedded_gguf())
+    with caplog.at_level("WARNING", logger="ocrl.models"):
+        stretched = models.scaled_config(where, 16384, "yarn")
+    assert stretched.max_position_embeddings == 16384
+    assert stretched.rope_parameters["rope_type"] == "yarn" and stretched.rope_parameters["factor"] == 2.0
+    assert stretched.rope_parameters["original_max_position_embeddings"] == 8192
+    assert "RoPE yarn scaling x2.00" in caplog.text
+    assert models.scaled_config(where, 4096, "linear").max_position_embeddings == 8192  # within the window: unchanged
+    assert main(["openclaw-config", "--context-length", "16384"]) == 0  # without scaling: capped at the trained window
+    assert json.loads(capsys.readouterr().out)["models"]["providers"]["ocrl"]["models"][0]["contextWindow"] == 8192
+    assert main(["openclaw-config", "--context-length", "16384", "--rope-scaling", "yarn"]) == 0
+    assert json.loads(capsys.readouterr().out)["models"]["providers"]["ocrl"]["models"][0]["contextWindow"] == 16384
