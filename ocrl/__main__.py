@@ -80,7 +80,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         config = config_mod.load(args)
-    except (config_mod.ConfigError, OSError) as e:
+        from ocrl.engine.prefix_cache import parse_budget
+
+        parse_budget(config.prefix_cache)  # a bad --prefix-cache fails here, not once the model is loaded
+    except (config_mod.ConfigError, OSError, ValueError) as e:
         print(f"ocrl: {e}", file=sys.stderr)
         return 2
     if args.command == "openclaw-config":

@@ -90,6 +90,14 @@ def test_budget_flag():
         parse_budget("lots")
 
 
+def test_a_bad_budget_flag_stops_the_daemon_before_it_loads_anything():
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "ocrl", "serve", "--prefix-cache", "lots"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "--prefix-cache 'lots'" in done.stderr
+
+
 # -- the engine, with the cache against without it ---------------------------------------------
 
 
