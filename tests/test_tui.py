@@ -187,7 +187,7 @@ async def test_widgets_show_the_scripted_events():
         console = Console(width=40, record=True, file=io.StringIO())
         console.print(requests.render())
         shown = [line.split() for line in console.export_text().splitlines()]
-        assert shown[:3] == [["answered", "14"], ["refused", "6"], ["context_length_exceeded", "3"]]
+        assert shown == [["answered", "·", "refused", "14", "·", "6"], ["context_length_exceeded", "3"], ["invalid_api_key", "2"], ["invalid_request_error", "1"]]
 
         sessions = app.query_one(SessionsPanel)
         c = sessions.counters

@@ -31,7 +31,7 @@ class DashboardScreen(Screen):
     DEFAULT_CSS = """
     DashboardScreen #top { height: 1fr; min-height: 10; }
     DashboardScreen #rewards { width: 2fr; }
-    DashboardScreen #engine-column { width: 1fr; }
+    DashboardScreen #engine { width: 1fr; }
     DashboardScreen #middle { height: 2fr; }
     DashboardScreen #samples { width: 2fr; }
     DashboardScreen #right { width: 1fr; }
@@ -44,14 +44,13 @@ class DashboardScreen(Screen):
     def compose(self) -> ComposeResult:
         with Horizontal(id="top"):
             yield RewardPlot(id="rewards")
-            with Vertical(id="engine-column"):
-                yield EnginePanel(id="engine")
-                yield RequestsPanel(id="requests")
+            yield EnginePanel(id="engine")
         with Horizontal(id="middle"):
             yield SamplesTable(id="samples")
             with Vertical(id="right"):
                 yield LossPlot(id="losses")
                 yield SessionsPanel(id="sessions")
+                yield RequestsPanel(id="requests")
         yield ProgressPanel(id="progress")
         yield LogPanel(id="log")
         yield StatusLine(self.source.url, id="status")

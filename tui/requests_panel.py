@@ -27,7 +27,7 @@ class RequestsPanel(Widget):
 
     counts: reactive[RequestCounts] = reactive(RequestCounts)
 
-    def __init__(self, *, shown: int = 4, **kwargs) -> None:
+    def __init__(self, *, shown: int = 3, **kwargs) -> None:
         super().__init__(**kwargs)
         self.shown = shown
 
@@ -47,8 +47,8 @@ class RequestsPanel(Widget):
         table = Table.grid(padding=(0, 1), expand=True)
         table.add_column(no_wrap=True, overflow="ellipsis", ratio=1)
         table.add_column(justify="right", no_wrap=True)
-        table.add_row("answered", str(c.total - c.refused_total))
-        table.add_row("refused", Text(str(c.refused_total), style="bold #e0af68" if c.refused_total else ""))
+        refused = Text(str(c.refused_total), style="bold #e0af68" if c.refused_total else "")
+        table.add_row("answered · refused", Text(f"{c.total - c.refused_total} · ") + refused)
         for reason, count in c.refused[: self.shown]:
             table.add_row(Text(f"  {reason}", style="dim"), str(count))
         if len(c.refused) > self.shown:
