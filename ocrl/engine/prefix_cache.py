@@ -189,6 +189,9 @@ def batched(hits: list[Hit], width: int):
     (zeros before it, which the caller's attention mask must hide)."""
     from transformers import DynamicCache
 
+    if len(hits) == 1 and hits[0].length == width:  # the common agent turn: no padding to add
+        # DynamicCache copies what it is given (torch.cat), so the kept tensors stay untouched
+        return DynamicCache(ddp_cache_data=[(k.unsqueeze(0), v.unsqueeze(0)) for k, v in hits[0].layers])
     template = next(h for h in hits if h.length).layers
     per_layer = []
     for i, (keys, values) in enumerate(template):
