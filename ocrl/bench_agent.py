@@ -146,10 +146,11 @@ async def agent_samples(engine, tokenizer, targets=LONG_PROMPTS, max_tokens: int
     return samples
 
 
-def train_rows(trainer, samples: list, repeats: int) -> list[str]:
+def train_rows(trainer, samples: list, repeats: int, steps: bool = True) -> list[str]:
     """bench train on long agent samples (a worker thread): the step with the reference prefetched
     and inline, a bare forward + backward + AdamW over the same samples one by one, and the
-    reference pass alone with and without its prefix cache; all per 1k prompt tokens."""
+    reference pass alone with and without its prefix cache; all per 1k prompt tokens. `steps`
+    False: the reference pass only (no backward: a fraction of the memory)."""
     import torch
 
     from ocrl.train.loss import token_logprobs
@@ -188,21 +189,26 @@ def train_rows(trainer, samples: list, repeats: int) -> list[str]:
     trainer.probe = samples[0]
     step_s, inline_s, bare_s, ref_s, ref_cached_s = [], [], [], [], []
     for _ in range(repeats):
-        bare_s.append(timed(bare))
-        step_s.append(timed(trainer._train, samples, references))
-        trainer.reference_prefix.cache.clear()  # inline: only the session's own turns to reuse
-        inline_s.append(timed(trainer._train, samples))
+        if steps:
+            bare_s.append(timed(bare))
+            step_s.append(timed(trainer._train, samples, references))
+            trainer.reference_prefix.cache.clear()  # inline: only the session's own turns to reuse
+            inline_s.append(timed(trainer._train, samples))
         ref_s.append(timed(reference, False))
         ref_cached_s.append(timed(reference, True))
     med = statistics.median
     lengths = ", ".join(str(len(s.tokens) - s.response_length) for s in samples)
     per_k = lambda xs: med(xs) / prompt_k  # noqa: E731
-    return [
+    rows = [
         f"  long agent samples (one session's turns, prompts {lengths} tokens, responses <= {max(s.response_length for s in samples)}; {repeats} repeats, medians)",
+        f"    reference pass, prefix kept / none {med(ref_cached_s) / med(ref_s):6.3f}x   ({per_k(ref_cached_s):.2f} s vs {per_k(ref_s):.2f} s per 1k prompt tokens: "
+        f"each turn computes only what the previous one did not)",
+    ]
+    if not steps:
+        return rows
+    return rows + [
         f"    trainer step / bare fwd+bwd+AdamW  {med(step_s) / med(bare_s):6.3f}x   ({per_k(step_s):.2f} s vs {per_k(bare_s):.2f} s per 1k prompt tokens; "
         f"reference prefetched)",
         f"      the same, reference inline       {med(inline_s) / med(bare_s):6.3f}x   ({per_k(inline_s):.2f} s per 1k prompt tokens; "
         f"each sample alone, through the reference's prefix cache)",
-        f"    reference pass, prefix kept / none {med(ref_cached_s) / med(ref_s):6.3f}x   ({per_k(ref_cached_s):.2f} s vs {per_k(ref_s):.2f} s per 1k prompt tokens: "
-        f"each turn computes only what the previous one did not)",
     ]
