@@ -187,3 +187,24 @@ async def test_openclaw_responses_mode_bodies_replay_into_one_session(daemon):
     second = events2[-1].response
     assert second.model_extra["ocrl"]["session_id"] == first.model_extra["ocrl"]["session_id"]
     assert (first.model_extra["ocrl"]["turn_index"], second.model_extra["ocrl"]["turn_index"]) == (0, 1)
+
+
+async def test_text_format_and_tool_choice_are_enforced_through_responses(daemon):
+    """`text.format` and `tool_choice` reach the chat pipeline's grammar: `.parse()` with a pydantic
+    model succeeds, and a required tool choice answers with a call that fits the schema."""
+    from pydantic import BaseModel
+
+    class City(BaseModel):
+        name: str
+        country: str
+
+    async with daemon.client() as client:
+        parsed = await client.responses.parse(
+            model="m", input="Name a city in Italy.", text_format=City, temperature=0, max_output_tokens=40
+        )
+        forced = await client.responses.create(
+            model="m", input="Hello!", tools=[FLAT_WEATHER_TOOL], tool_choice="required", temperature=0, max_output_tokens=40
+        )
+    assert isinstance(parsed.output_parsed, City) and parsed.output_parsed.name
+    [call] = [item for item in forced.output if item.type == "function_call"]
+    assert call.name == "get_weather" and isinstance(json.loads(call.arguments)["city"], str)
