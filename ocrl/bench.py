@@ -239,7 +239,12 @@ async def bench_train(config, repeats: int, max_tokens: int) -> None:
 
         # 2b. long agent samples: step time per 1k prompt tokens, the reference with its prefix cache
         long_samples = await bench_agent.agent_samples(engine, loaded.tokenizer)
-        agent_rows = await anyio.to_thread.run_sync(bench_agent.train_rows, trainer, long_samples, max(1, repeats // 2))
+        need, available = bench_agent.backward_memory(trainer, long_samples)
+        steps = available < 0 or need * 1.5 < available  # a shared box must not be pushed into swapping or OOM
+        agent_rows = await anyio.to_thread.run_sync(bench_agent.train_rows, trainer, long_samples, max(1, repeats // 2), steps)
+        if not steps:
+            agent_rows.append(f"    step rows skipped: a backward over {max(len(s.tokens) for s in long_samples)} tokens keeps ~{need / 2**30:.1f} GiB "
+                              f"of activations, {available / 2**30:.1f} GiB available")
         trainer.probe = batch[0]
 
         # 3. requests while a step runs, against the same requests without training

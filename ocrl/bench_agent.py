@@ -146,6 +146,24 @@ async def agent_samples(engine, tokenizer, targets=LONG_PROMPTS, max_tokens: int
     return samples
 
 
+def backward_memory(trainer, samples: list) -> tuple[int, int]:
+    """(bytes a forward + backward over the longest sample keeps, by count: ~10 hidden-size and 4
+    intermediate-size fp32 activations per layer per position; bytes available now on the
+    trainer's device, or -1 where unknown)."""
+    import torch
+
+    config = trainer.model.config
+    per_position = config.num_hidden_layers * (10 * config.hidden_size + 4 * config.intermediate_size) * 4
+    need = per_position * max(len(s.tokens) for s in samples)
+    if trainer.device.type == "cuda":
+        return need, torch.cuda.mem_get_info(trainer.device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            return need, next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable"))
+    except (OSError, StopIteration):
+        return need, -1
+
+
 def train_rows(trainer, samples: list, repeats: int, steps: bool = True) -> list[str]:
     """bench train on long agent samples (a worker thread): the step with the reference prefetched
     and inline, a bare forward + backward + AdamW over the same samples one by one, and the

@@ -318,3 +318,13 @@ def test_the_agent_bench_sends_openclaw_shaped_prompts(embedded):
     messages += [Message(role="assistant", content="I will read the file first."), Message(role="user", content=tool_output(random.Random(1)))]
     second = len(chat.prompt_ids(embedded.tokenizer, messages, tools))
     assert 2700 <= first <= 3300 and 270 <= second - first <= 330
+
+
+def test_bench_train_sizes_the_long_sample_backward_before_running_it():
+    from ocrl.bench_agent import backward_memory
+
+    cached, _ = trainers()
+    need, available = backward_memory(cached, session_samples())
+    # tiny Llama: 2 layers x (10 x 32 hidden + 4 x 64 intermediate) x 4 bytes per position, 25 positions
+    assert need == 2 * (10 * 32 + 4 * 64) * 4 * 25
+    assert available == -1 or available > 0
