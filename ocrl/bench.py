@@ -63,7 +63,7 @@ async def run(which: str, config, args) -> None:
         from ocrl.learn import bench_learn
 
         await bench_learn(
-            config, persona_name=args.persona, turns=args.turns, concurrency=args.concurrency, probe_every=args.probe_every,
+            config, persona=args.persona, turns=args.turns, concurrency=args.concurrency, probe_every=args.probe_every,
             tasks=args.tasks, max_tokens=args.max_tokens or 48, probe_samples=args.probe_samples,
             methods=[m.strip() for m in args.methods.split(",") if m.strip()] if getattr(args, "methods", None) else None,
         )

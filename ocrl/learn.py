@@ -86,7 +86,7 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
 
 
 async def bench_learn(
-    config, *, persona_name: str, turns: int, concurrency: int, probe_every: int, tasks: int, max_tokens: int, probe_samples: int,
+    config, *, persona: simulate.Persona, turns: int, concurrency: int, probe_every: int, tasks: int, max_tokens: int, probe_samples: int,
     methods: list[str] | None = None,
 ) -> dict:
     """One learning curve per method, one after the other, each on a fresh daemon with the same
@@ -98,7 +98,7 @@ async def bench_learn(
     variants = {spec: _variant(config, spec) for spec in methods}  # "opd:system" = opd with --hint-placement system
     if len(methods) == 1:
         return await learn_once(
-            variants[methods[0]], persona_name=persona_name, turns=turns, concurrency=concurrency,
+            variants[methods[0]], persona=persona, turns=turns, concurrency=concurrency,
             probe_every=probe_every, tasks=tasks, max_tokens=max_tokens, probe_samples=probe_samples,
         )
     root = Path(config.record_dir) if config.record_dir else Path("runs") / time.strftime("learn-%Y%m%d-%H%M%S")
@@ -107,13 +107,12 @@ async def bench_learn(
         log.info("bench learn: method %s (%d of %d)", method, len(results) + 1, len(methods))
         first = next(iter(results.values()), None)
         results[method] = await learn_once(
-            msgspec.structs.replace(variants[method], record_dir=str(root / method.replace(":", "-"))), persona_name=persona_name, turns=turns,
+            msgspec.structs.replace(variants[method], record_dir=str(root / method.replace(":", "-"))), persona=persona, turns=turns,
             concurrency=concurrency, probe_every=probe_every, tasks=tasks, max_tokens=max_tokens, probe_samples=probe_samples,
             # the placement probes (three probe sets) only when the specs compare where the hint goes
             check_placement=not results and any(o in ("user", "system") for m in methods for o in m.split(":")[1:]),
             baseline=first["rows"][0] if first else None,
         )
-    persona = simulate.PERSONAS[persona_name]
     plot_methods({m: r["rows"] for m, r in results.items()}, root / "learning-methods.png", f"{persona.name}: {persona.description}")
     print(f"bench learn: {len(methods)} methods side by side, persona {persona.name}, {turns} main turns each, seed {config.seed}; {root}")
     print(f"  {'method':<10} {'baseline':>8} {'final':>6} {'best':>6} {'steps':>5} {'turns':>5} {'distilled':>9} {'seconds':>7}")
@@ -178,7 +177,8 @@ async def placement_check(client, persona: simulate.Persona, *, max_tokens: int,
             plain = [Message(role="user", content=prompt)]
             if placement is None:
                 return [msgspec.to_builtins(m) for m in plain]
-            hint = persona.complaints[i % len(persona.complaints)]
+            complaints = persona.standalone(False)
+            hint = complaints[i % len(complaints)]
             return [msgspec.to_builtins(m) for m in chat.with_hints(plain, [hint], placement)]
 
         return messages_for
@@ -193,14 +193,13 @@ async def placement_check(client, persona: simulate.Persona, *, max_tokens: int,
 
 
 async def learn_once(
-    config, *, persona_name: str, turns: int, concurrency: int, probe_every: int, tasks: int, max_tokens: int, probe_samples: int,
+    config, *, persona: simulate.Persona, turns: int, concurrency: int, probe_every: int, tasks: int, max_tokens: int, probe_samples: int,
     check_placement: bool = False, baseline: dict | None = None,
 ) -> dict:
     from openai import AsyncOpenAI
 
     from ocrl.daemon import Daemon
 
-    persona = simulate.PERSONAS[persona_name]
     config = msgspec.structs.replace(config, no_train=False, port=config.port if config.port != 30000 else 30998)
     daemon = Daemon(config)
     await daemon.build()

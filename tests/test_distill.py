@@ -384,7 +384,7 @@ def test_bench_learn_method_specs():
 async def test_bench_learn_runs_each_method_on_its_own_run_dir(tmp_path, monkeypatch, capsys):
     """bench learn --methods: one learn_once per spec, in order, each with its variant config and
     its own run dir; the placement check on the first only; one table and one plot."""
-    from ocrl import learn
+    from ocrl import learn, simulate
     from ocrl.config import Config
 
     calls = []
@@ -400,7 +400,7 @@ async def test_bench_learn_runs_each_method_on_its_own_run_dir(tmp_path, monkeyp
     monkeypatch.setattr(learn, "learn_once", fake_learn_once)
     monkeypatch.setattr(learn, "plot_methods", lambda curves, path, title: plotted.update(curves=curves, path=path))
     results = await learn.bench_learn(
-        Config(record_dir=str(tmp_path)), persona_name="brief", turns=12, concurrency=2, probe_every=4, tasks=4,
+        Config(record_dir=str(tmp_path)), persona=simulate.PERSONAS["brief"], turns=12, concurrency=2, probe_every=4, tasks=4,
         max_tokens=16, probe_samples=1, methods=["rl", "opd", "combine:system"],
     )
     assert calls == [("rl", "user", "rl", True), ("opd", "user", "opd", False), ("combine", "system", "combine-system", False)]

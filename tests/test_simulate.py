@@ -31,7 +31,7 @@ from ocrl.prm import EmbedJudge
     ],
 )
 def test_persona_rules(persona, text, holds):
-    assert simulate.PERSONAS[persona].rule(text) is holds
+    assert simulate.PERSONAS[persona].holds(text) is holds
 
 
 class FakeClient:
@@ -58,9 +58,11 @@ async def test_feedback_follows_the_hidden_rule():
     await sim.session("s", tasks=2)
     persona = simulate.PERSONAS["brief"]
     user_replies = [sent[0][-1]["content"] for sent in client.sent[1:]]
-    assert user_replies[0] in persona.complaints  # the long answer: a redo request
-    assert any(user_replies[1].startswith(p) for p in persona.praise)  # short: thanks, then the next task
-    assert user_replies[2] in persona.praise  # the last answer is praised, then the session ends
+    assert user_replies[0] in persona.standalone(False)  # the long answer: a redo request
+    # short: thanks mixed with the next task (one of the persona's tasks)
+    assert any(p.replace("{task}", "").strip() in user_replies[1] for p in persona.pass_lines)
+    assert any(task in user_replies[1] for task in persona.tasks)
+    assert user_replies[2] in persona.standalone(True)  # the last answer is praised, then the session ends
     assert [f.passed for f in sim.stats.feedback] == [False, True, True]
     assert client.sent[-1][1].get("X-Session-Done") == "1"
     assert all(h["X-Session-Id"] == "s" for _, h, _ in client.sent)
@@ -83,10 +85,11 @@ def test_embed_judge_reads_the_feedback_phrases_the_intended_way():
     torch.set_num_threads(1)
     judge = EmbedJudge.load()
     for persona in simulate.PERSONAS.values():
-        scores = [judge.classify(text, "user").score for text in persona.praise]
-        assert scores.count(1) >= len(scores) - 1, (persona.name, scores)
-        scores = [judge.classify(text, "user").score for text in persona.complaints]
-        assert scores.count(-1) >= len(scores) - 1, (persona.name, scores)
+        task = persona.tasks[0]
+        scores = [judge.classify(persona.moving_on(line, task, True) if "{task}" in line else line, "user").score for line in persona.pass_lines]
+        assert scores.count(1) >= 0.9 * len(scores), (persona.name, scores)
+        scores = [judge.classify(persona.moving_on(line, task, False) if "{task}" in line else line, "user").score for line in persona.fail_lines]
+        assert scores.count(-1) >= 0.9 * len(scores), (persona.name, scores)
 
 
 def test_judge_agreement_counts_abstentions_apart(tmp_path):
@@ -101,7 +104,7 @@ def test_judge_agreement_counts_abstentions_apart(tmp_path):
 
 async def test_short_simulation_against_a_live_daemon(daemon):
     before = daemon.stats()["sessions"]
-    stats = await simulate.run(daemon.url, daemon.api_key, "brief", sessions=2, concurrency=2, tasks=1, seed=5, max_tokens=12)
+    stats = await simulate.run(daemon.url, daemon.api_key, simulate.PERSONAS["brief"], sessions=2, concurrency=2, tasks=1, seed=5, max_tokens=12)
     assert stats.failures == 0 and stats.sessions == 2
     async with daemon.client() as client:
         result = await simulate.probe(client, simulate.PERSONAS["brief"], simulate.PROBES[:3], max_tokens=8, samples=1)

