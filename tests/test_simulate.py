@@ -79,17 +79,24 @@ async def test_redo_limit_moves_on():
 
 
 def test_embed_judge_reads_the_feedback_phrases_the_intended_way():
-    """The simulated users' words must carry the reward: praise reads +1, complaints -1."""
+    """The simulated users' words must carry the reward: standalone praise reads +1 and complaints
+    -1; mixed with the next task the judge errs more, and a complaint is still never read as +1."""
     import torch
 
     torch.set_num_threads(1)
     judge = EmbedJudge.load()
     for persona in simulate.PERSONAS.values():
-        task = persona.tasks[0]
-        scores = [judge.classify(persona.moving_on(line, task, True) if "{task}" in line else line, "user").score for line in persona.pass_lines]
-        assert scores.count(1) >= 0.9 * len(scores), (persona.name, scores)
-        scores = [judge.classify(persona.moving_on(line, task, False) if "{task}" in line else line, "user").score for line in persona.fail_lines]
-        assert scores.count(-1) >= 0.9 * len(scores), (persona.name, scores)
+        for passed, sign in ((True, 1), (False, -1)):
+            scores = [judge.classify(line, "user").score for line in persona.standalone(passed)]
+            assert scores.count(sign) >= 0.9 * len(scores), (persona.name, passed, scores)
+            mixed = [
+                judge.classify(persona.moving_on(line, task, passed), "user").score
+                for line in (persona.pass_lines if passed else persona.fail_lines) for task in persona.tasks[::6]
+            ]
+            # Measured: complaints mixed with a task never read +1; praise mixed with a task reads
+            # +1 on 65-75% and -1 on 21-26% (the task's question reads like a request to redo).
+            assert mixed.count(sign) >= 0.6 * len(mixed), (persona.name, passed, mixed)
+            assert mixed.count(-sign) <= (0.3 if passed else 0.05) * len(mixed), (persona.name, passed, mixed)
 
 
 def test_judge_agreement_counts_abstentions_apart(tmp_path):

