@@ -44,6 +44,9 @@ class Replay:
         messages = chat.normalise(request["messages"])
         ticket = self.sessions.begin(session_id=None, turn_type=None, session_done=False, messages=messages, tools=request.get("tools"))
         reply = row["reply"]
+        if reply is None:  # the client gave up on this request: no turn kept
+            self.sessions.abort(ticket)
+            return None
         text = reply["content"] + "".join(
             "<tool_call>" + json.dumps({"name": c["function"]["name"], "arguments": json.loads(c["function"]["arguments"] or "{}")}) + "</tool_call>"
             for c in reply["tool_calls"]
@@ -54,7 +57,7 @@ class Replay:
     async def run(self, name: str):
         async with anyio.create_task_group() as tg:
             tg.start_soon(self.sessions.run)
-            turns = [(row["label"], self.play(row)) for row in rows(name)]
+            turns = [(row["label"], turn) for row in rows(name) if (turn := self.play(row)) is not None]
             with anyio.fail_after(10):
                 while self.sessions._in_flight:
                     await anyio.sleep(0.001)
@@ -188,3 +191,20 @@ def test_rope_scaling_stretches_the_window_only_when_asked(capsys, caplog):
     assert json.loads(capsys.readouterr().out)["models"]["providers"]["ocrl"]["models"][0]["contextWindow"] == 8192
     assert main(["openclaw-config", "--context-length", "16384", "--rope-scaling", "yarn"]) == 0
     assert json.loads(capsys.readouterr().out)["models"]["providers"]["ocrl"]["models"][0]["contextWindow"] == 16384
+
+
+async def test_tool_loop_and_a_model_switch_stay_in_one_session():
+    """From `bench openclaw` (OpenClaw 2026.9.6): two turns, a turn run with `--model` naming a
+    forced-tool entry (the Runtime line of the system prompt names the model, so no prefix
+    matches: threaded by the last reply), six forced `ls` calls whose tool results are the next
+    states, an aborted run, four more turns, then chunked compaction summaries (side turns)."""
+    replay = Replay(OPENCLAW)
+    turns = await replay.run("tool-loop.jsonl")
+    main = [t for label, t in turns if t.turn_type == "main"]
+    side = [(label, t) for label, t in turns if t.turn_type == "side"]
+    assert len(main) == 12 and len({t.session_id for t in main}) == 1
+    assert [label for label, _ in side] == ["compaction summary"] * 3  # and two the client gave up on
+    assert replay.sessions.counters["threaded_by_reply"] == 1  # the model switch
+    roles = [s.next_state_role for s in sorted(replay.samples, key=lambda s: s.turn_index)]
+    assert roles[2:8] == ["tool"] * 6  # each forced call is judged by the tool result that followed it
+    assert all(not s.next_state.startswith("[") for s in replay.samples if s.next_state_role == "user")
