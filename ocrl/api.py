@@ -26,7 +26,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
-from ocrl import chat, grammar
+from ocrl import chat, grammar, guard
 from ocrl.access_log import RequestLog, note
 from ocrl.engine.base import GREEDY_BELOW, EngineBusy, EngineError
 from ocrl.records import DiskFull
@@ -76,7 +76,7 @@ class ChatRequest(msgspec.Struct):
     temperature: Annotated[float, msgspec.Meta(ge=0, le=2)] | None = None
     top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: Annotated[int, msgspec.Meta(ge=guard.SEED_RANGE[0], le=guard.SEED_RANGE[1])] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     logprobs: bool = False
@@ -106,9 +106,9 @@ _request_decoder = msgspec.json.Decoder(ChatRequest)
 _AT = re.compile(r" - at `\$\.?([^`]*)`")
 
 
-def error_response(e: ApiError) -> Response:
+def error_response(e: ApiError | guard.Refused) -> Response:
     body = {"error": {"message": e.message, "type": e.type, "param": e.param, "code": e.code}}
-    return Response(_encoder.encode(body), status_code=e.status, media_type="application/json", headers=e.headers)
+    return Response(_encoder.encode(body), status_code=e.status, media_type="application/json", headers=getattr(e, "headers", None))
 
 
 def storage_full(e: DiskFull) -> ApiError:
@@ -133,8 +133,11 @@ def decode_request(body: bytes) -> ChatRequest:
         raise ApiError(400, f"invalid request: {text}", param=match.group(1) if match else None) from None
     except msgspec.DecodeError as e:
         raise ApiError(400, f"malformed JSON body: {e}") from None
+    except RecursionError:
+        raise ApiError(400, f"the JSON body nests too deep (at most {guard.MAX_NESTING} levels in tools / tool_choice)", code="nested_too_deep") from None
     if not request.messages:
         raise ApiError(400, "`messages` must contain at least one message", param="messages")
+    check_fields(request.session_id, {"tools": request.tools, "tool_choice": request.tool_choice})
     for i, message in enumerate(request.messages):
         if message.content is None and not (message.role == "assistant" and message.tool_calls):
             raise ApiError(400, f"messages[{i}] ({message.role}) needs `content`", param=f"messages[{i}].content")
@@ -142,6 +145,16 @@ def decode_request(body: bytes) -> ChatRequest:
             if part.type != "text" or part.text is None:
                 raise ApiError(400, f"unsupported content part of type {part.type!r}: only text parts", param=f"messages[{i}].content")
     return request
+
+
+def check_fields(session_id: str | None, nested: dict[str, Any]) -> None:
+    """The field checks every generating route shares (guard.py): a session id that can go back
+    in a header and into the records; JSON objects that do not nest absurdly deep."""
+    if session_id is not None and (problem := guard.session_id_problem(session_id)):
+        raise ApiError(400, f"invalid session id: {problem}", param="session_id")
+    for name, value in nested.items():
+        if value is not None and (problem := guard.nesting_problem(value)):
+            raise ApiError(400, f"`{name}` is {problem}", param=name, code="nested_too_deep")
 
 
 def _header_bool(value: str | None) -> bool | None:
@@ -177,6 +190,8 @@ class Api:
         self.served_name = config.served_model_name or engine.name
         self.started = time.time()
         self.in_flight = 0
+        self._token_chars: int | None = None
+        self._render_limiter = anyio.CapacityLimiter(1)  # one prompt renders at a time: one core, one tokenizer
         from ocrl.completions import Completions  # these build on this module
         from ocrl.responses import Responses
 
@@ -206,6 +221,9 @@ class Api:
         await self.request_log(scope, receive, send)
 
     async def _authorised(self, scope, receive, send):
+        if scope["type"] == "http" and (refused := guard.browser_refusal(scope, self.config)) is not None:
+            await error_response(refused)(scope, receive, send)
+            return
         if scope["type"] == "http" and self.config.api_key and scope["path"] != "/healthz":
             auth = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
             token = auth[7:] if auth.lower().startswith("bearer ") else ""
@@ -325,7 +343,9 @@ class Api:
                 self._sse(body, prepared), media_type="text/event-stream",
                 headers={"X-Session-Id": prepared.ticket.session_id, "Cache-Control": "no-cache"},
             )
-        completions = await self.generate(prepared)
+        completions = await self.generate_while_connected(prepared, http)
+        if completions is None:
+            return Response(status_code=499)  # nobody is listening; the turn was dropped
         turns = self.keep(prepared, completions)
         return json_response(self._response(body, completions, turns, prepared.tools is not None), headers={"X-Session-Id": prepared.ticket.session_id})
 
@@ -338,10 +358,7 @@ class Api:
             raise ApiError(400, f"at most {self.config.max_messages} messages", param="messages")
         messages = chat.normalise([msgspec.to_builtins(m) for m in body.messages])
         tools = body.tools or None
-        try:
-            prompt_ids = chat.prompt_ids(self.tokenizer, messages, tools)
-        except Exception as e:
-            raise ApiError(400, f"cannot apply the chat template to these messages: {e}", param="messages") from None
+        prompt_ids = await self.render(messages, tools)
         params = self._sampling(body, self._room(prompt_ids, "messages"))
         constraint = self._constraint(body)
         if constraint is not None:  # compiled now, so a grammar the engine cannot enforce records nothing
@@ -354,9 +371,11 @@ class Api:
         turn_type = given.strip().lower() if given else None
         if turn_type not in (None, "main", "side"):
             raise ApiError(400, f"X-Turn-Type must be 'main' or 'side', not {given!r}", param="turn_type")
+        session_id = headers.get("x-session-id") or body.session_id
+        check_fields(session_id, {})
         try:
             ticket = self.sessions.begin(
-                session_id=headers.get("x-session-id") or body.session_id,
+                session_id=session_id,
                 turn_type=turn_type,
                 session_done=bool(_header_bool(headers.get("x-session-done")) or body.session_done),
                 messages=messages,
@@ -367,6 +386,31 @@ class Api:
         note(http.scope, session=ticket.session_id, n=body.n if body.n > 1 else None)
         choices = [params] if body.n == 1 else [msgspec.structs.replace(params, seed=None if params.seed is None else params.seed + k) for k in range(body.n)]
         return Prepared(messages, tools, prompt_ids, choices, ticket, http.scope)
+
+    async def render(self, messages: list[Message], tools: list[dict] | None, param: str = "messages") -> list[int]:
+        """Prompt ids, rendered and tokenised in a worker thread (a long prompt takes seconds of
+        CPU that the event loop must not lose), after a character count has turned away
+        prompts that cannot fit in the context whatever they tokenise to."""
+        chars = sum(len(m.content or "") + len(str(m.tool_calls or "")) for m in messages) + (len(_encoder.encode(tools)) if tools else 0)
+        most = self.engine.max_context * self._longest_token()
+        if chars > most:
+            raise ApiError(
+                400, f"prompt is {chars} characters; no more than {most} can fit the context of {self.engine.max_context} tokens",
+                param=param, code="context_length_exceeded",
+            )
+        try:
+            return await anyio.to_thread.run_sync(chat.prompt_ids, self.tokenizer, messages, tools, limiter=self._render_limiter)
+        except Exception as e:
+            raise ApiError(400, f"cannot apply the chat template to these messages: {e}", param=param) from None
+
+    def _longest_token(self) -> int:
+        """The most characters one token can stand for (its vocabulary's longest entry)."""
+        if self._token_chars is None:
+            try:
+                self._token_chars = max(map(len, self.tokenizer.get_vocab()), default=0) or 64
+            except Exception:
+                self._token_chars = 64
+        return self._token_chars
 
     def _room(self, prompt_ids: list[int], param: str) -> int:
         room = self.engine.max_context - len(prompt_ids)
@@ -402,6 +446,24 @@ class Api:
             self.sessions.abort(prepared.ticket)
             raise
         return [c.completion for c in choices]
+
+    async def generate_while_connected(self, prepared: Prepared, http: Request) -> list[Completion] | None:
+        """`generate`, stopped (the engine drops the request, the turn is aborted) as soon as the
+        client disconnects; None then. The body has been read, so the next message the server
+        can receive is the disconnect."""
+        completions = None
+        async with anyio.create_task_group() as tg:
+
+            async def watch() -> None:
+                while (await http.receive())["type"] != "http.disconnect":
+                    pass
+                note(prepared.scope, error="client_gone")
+                tg.cancel_scope.cancel()
+
+            tg.start_soon(watch)
+            completions = await self.generate(prepared)
+            tg.cancel_scope.cancel()
+        return completions
 
     def keep(self, prepared: Prepared, completions: list[Completion]) -> list:
         """3. keep the turn (n > 1: the group of candidates) with the sessions."""

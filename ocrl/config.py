@@ -27,6 +27,8 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     port: int = 30000
     api_key: str = ""
     insecure_no_auth: bool = False
+    allowed_hosts: str = ""  # Host names (comma-separated) besides IP literals, localhost and --host; "*" = any
+    allowed_origins: str = ""  # browser origins (comma-separated, e.g. http://localhost:3000) allowed to call; "*" = any
     headless: bool = False
     device: str = "auto"  # auto | cpu | cuda
     engine: Literal["auto", "hf", "sglang"] = "auto"  # auto: sglang with CUDA and the gpu extra, else hf
@@ -57,7 +59,8 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     housekeeping_pattern: list[str] = msgspec.field(default_factory=lambda: list(OPENCLAW_HOUSEKEEPING))  # ROLE:REGEX, served as side turns
     envelope_pattern: list[str] = msgspec.field(default_factory=lambda: list(OPENCLAW_ENVELOPE))  # REGEX cut from a next state's user text
     record_dir: str = ""  # default runs/<timestamp>/
-    no_record_text: bool = False
+    no_record_text: bool = False  # words are not written; token ids (which decode to them) still are, see retain_samples
+    retain_samples: int = -1  # >= 0: once a checkpoint covers them, token ids of consumed samples are deleted but for the newest N
     # judge
     prm_mode: Literal["auto", "generate", "verdict", "embed"] = "auto"
     prm_m: int = 3

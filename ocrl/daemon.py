@@ -10,7 +10,6 @@ the records, checkpoints, and returns.
 from __future__ import annotations
 
 import contextlib
-import ipaddress
 import logging
 import math
 import signal
@@ -28,6 +27,7 @@ from ocrl.config import Config, ConfigError
 from ocrl.engine.hf import HFEngine
 from ocrl.engine.select import build_engine
 from ocrl.events import Events
+from ocrl.guard import is_loopback
 from ocrl.sessions import Sessions
 from ocrl.types import Progress, SamplingParams
 
@@ -63,15 +63,6 @@ def rss_mb() -> float:
 
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         return round(peak / 2**20 if sys.platform == "darwin" else peak / 2**10, 1)
-
-
-def is_loopback(host: str) -> bool:
-    if host in ("localhost", ""):
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def check_access(config: Config) -> None:

@@ -176,6 +176,7 @@ class Records:
         self.full = False  # a write failed; main turns wait until `recover` finds space
         self.dropped_rows = 0  # report rows (verdicts, metrics, ...) lost to a failed write
         self._owed: list[Consumed] = []  # consumed marks not yet written
+        self._forgotten: set[str] = set()  # sample ids whose token ids were blanked (--retain-samples)
 
     def _critical(self, appender: _Appender, rows: list) -> None:
         try:
@@ -315,7 +316,9 @@ class Records:
 
     def turn(self, turn) -> None:
         """A main turn raises `DiskFull` when it cannot be kept; a side turn is only a report."""
-        row = self._text(msgspec.to_builtins(turn), "messages", "response_text")
+        row = self._text(msgspec.to_builtins(turn), "messages", "response_text", "tools")
+        if not self.record_text and turn.turn_type != "main":  # never trained on: its ids serve no one
+            row["prompt_ids"], row["response_ids"], row["logprobs"] = [], [], []
         if turn.turn_type == "main":
             self._critical(self.turns, [row])
         else:
@@ -344,6 +347,65 @@ class Records:
 
     def metric(self, row: dict) -> None:
         self._report(self.metrics, row)
+
+    def forget_token_ids(self, through_step: int, keep: int = 0) -> int:
+        """--retain-samples: blanks the token ids (the conversation, in another alphabet) of
+        samples consumed by step `through_step` or earlier, or excluded by rule, in the journal,
+        the sample log and the main turns, keeping the newest `keep` of them. Call once a
+        checkpoint covers `through_step`: those samples are never read again. Returns how many
+        were forgotten now."""
+        covered = list(dict.fromkeys(r.id for r in self.consumed_rows() if r.step is None or r.step <= through_step))
+        forget = set(covered[: len(covered) - keep] if keep else covered) - self._forgotten
+        if not forget:
+            return 0
+
+        def blank(row: dict, *keys: str) -> dict:
+            for key in keys:
+                if row.get(key):
+                    row[key] = [] if key != "teacher_prompt_ids" else None
+            return row
+
+        def sample_row(row: dict) -> dict:
+            return blank(row, "tokens", "rollout_logprobs", "teacher_prompt_ids") if row.get("sample_id") in forget else row
+
+        def turn_row(row: dict) -> dict:
+            if f"{row.get('session_id')}:{row.get('session_uid')}:{row.get('index')}" in forget:
+                return blank(row, "prompt_ids", "response_ids", "logprobs")
+            return row
+
+        try:
+            self._journal = self._rewrite(self._journal, sample_row)
+            self.samples = self._rewrite(self.samples, sample_row)
+            self.turns = self._rewrite(self.turns, turn_row)
+        except OSError as e:  # a full disk: the ids stay until the next checkpoint tries again
+            log.warning("could not forget the token ids of %d consumed samples: %s", len(forget), e)
+            return 0
+        self._forgotten |= forget
+        return len(forget)
+
+    @staticmethod
+    def _rewrite(appender: _Appender, change) -> _Appender:
+        """The file with every row passed through `change`, swapped in whole (a crash leaves the
+        old or the new file, never a mix), and a fresh appender on it."""
+        path = appender.path
+        staging = path.with_name(path.name + ".tmp")
+        fd = os.open(staging, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            with os.fdopen(fd, "wb") as out:
+                for line in _lines(path):
+                    try:
+                        line = _encoder.encode(change(msgspec.json.decode(line)))
+                    except (msgspec.DecodeError, AttributeError, TypeError):
+                        pass  # a row this does not understand stays as it was
+                    out.write(line + b"\n")
+                out.flush()
+                os.fsync(out.fileno())
+            os.replace(staging, path)
+        except OSError:
+            staging.unlink(missing_ok=True)
+            raise
+        appender.close()
+        return _Appender(path, durable=appender.durable)
 
     def close(self) -> None:
         if self._owed:

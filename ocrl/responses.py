@@ -217,7 +217,10 @@ class Responses:
         if body.stream:
             return StreamingResponse(self._sse(shape, prepared, conversation), media_type="text/event-stream", headers={**headers, "Cache-Control": "no-cache"})
         # 2. generate  3. keep the turn
-        [completion] = await self.api.generate(prepared)
+        completions = await self.api.generate_while_connected(prepared, http)
+        if completions is None:
+            return Response(status_code=499)  # the client left: generation stopped, no turn kept
+        [completion] = completions
         [turn] = self.api.keep(prepared, [completion])
         response = shape.final(completion, turn)
         self._keep(body, conversation, shape, response)
@@ -282,7 +285,14 @@ class Responses:
             api.sessions.abort(prepared.ticket)  # the client went away: no turn to keep
             raise
         completion = choice.completion
-        [turn] = api.keep(prepared, [completion])
+        try:
+            [turn] = api.keep(prepared, [completion])
+        except ApiError as e:  # the text went out, but the turn cannot be kept (a full disk): say so
+            api.stream_error(prepared.scope, e)
+            failed = shape.envelope("failed")
+            failed["error"] = {"code": e.code or e.type, "message": e.message}
+            yield event("response.failed", response=failed)
+            return
         response = shape.final(completion, turn, message_id=message_id)
         for index, item in enumerate(response["output"]):
             if item["type"] == "reasoning":

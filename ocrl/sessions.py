@@ -61,6 +61,8 @@ class Ticket:
     messages: list[Message]
     tools: list[dict] | None = None
     started: float = field(default_factory=time.monotonic)
+    key: str = ""  # prefix key of `messages` (main turns): a retry of the same request has the same
+    superseded: bool = False  # a retry of this request arrived while it generated: the retry is the turn
 
 
 @dataclass
@@ -84,6 +86,7 @@ class Session:
     reply_key: str = ""  # the last main turn's reply, for threading through history rewrites
     hints: list[str] = field(default_factory=list)  # accepted hints, in order (--experience session|posthoc)
     held: list = field(default_factory=list)  # posthoc: judged turns waiting for the session's end
+    in_flight: dict = field(default_factory=dict)  # prefix key -> the main Ticket generating for it
 
     @property
     def judging(self) -> int:
@@ -205,7 +208,21 @@ class Sessions:
                 self._choose(session, session.turns[-1], messages)
             # The last message of this request is the next state of the previous main turn.
             self._close_turn(session, session.turns[-1], self.clients.strip(messages[-1]))
-        return Ticket(session_id, turn_type, session_done, messages, tools)
+        ticket = Ticket(session_id, turn_type, session_done, messages, tools)
+        if turn_type == "main":
+            # A client that gave up waiting and sent the same request again: the retry is the
+            # turn, the abandoned one (if it still finishes) is served as a side turn.
+            ticket.key = prefix_key(messages)
+            if (abandoned := session.in_flight.get(ticket.key)) is not None:
+                abandoned.superseded = True
+                self.counters["superseded_turns"] += 1
+            session.in_flight[ticket.key] = ticket
+        return ticket
+
+    def _done(self, ticket: Ticket) -> None:
+        session = self.sessions.get(ticket.session_id)
+        if session is not None and session.in_flight.get(ticket.key) is ticket:
+            del session.in_flight[ticket.key]
 
     def complete(self, ticket: Ticket, completion: Completion) -> Turn:
         return self.complete_group(ticket, [completion])[0]
@@ -214,7 +231,7 @@ class Sessions:
         """Keeps a served turn; with several completions (n > 1), a group of candidates that
         shares one main-turn slot until the next request shows which one was continued."""
         session = self._session(ticket.session_id)
-        main = ticket.turn_type == "main" and not session.closed
+        main = ticket.turn_type == "main" and not session.closed and not ticket.superseded
         n = len(completions)
         turns = [
             Turn(
@@ -238,6 +255,7 @@ class Sessions:
         if self.records:  # a main turn that cannot be kept raises DiskFull here, before it counts
             for turn in turns:
                 self.records.turn(turn)
+        self._done(ticket)
         if main:
             session.turns.append(_MainTurn(turns[0], candidates=turns if n > 1 else []))
             for turn in reversed(turns):  # candidate 0 last: it is the group's reply when threading by reply
@@ -294,6 +312,7 @@ class Sessions:
             self._emit(session, _MainTurn(sibling), score=None, mask=0, reward=0.0, votes=[], promoted=False)
 
     def abort(self, ticket: Ticket) -> None:
+        self._done(ticket)
         self.counters["aborted_turns"] += 1
         if ticket.session_done:
             self.close(ticket.session_id)

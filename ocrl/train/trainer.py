@@ -104,6 +104,9 @@ class _NoRecords:
     def consumed(self, sample_ids: list[str], step: int | None = None) -> None:
         pass
 
+    def forget_token_ids(self, through_step: int, keep: int = 0) -> int:
+        return 0
+
 
 class _NoEvents:
     def publish(self, event) -> None:
@@ -931,6 +934,10 @@ class Trainer:
             self.events.publish(Progress(task=task, done=3, total=3))
             self._saved_step = self.steps
             log.info("saved %s", final)
+            if self.config.retain_samples >= 0:  # the checkpoint covers these samples now
+                forgotten = self.records.forget_token_ids(self.steps, keep=self.config.retain_samples)
+                if forgotten:
+                    log.info("forgot the token ids of %d consumed samples (--retain-samples %d)", forgotten, self.config.retain_samples)
             return final
 
     def _write_weights(self, staging: Path) -> None:
