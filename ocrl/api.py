@@ -451,7 +451,7 @@ class Api:
         """`generate`, stopped (the engine drops the request, the turn is aborted) as soon as the
         client disconnects; None then. The body has been read, so the next message the server
         can receive is the disconnect."""
-        completions = None
+        completions, failure = None, None
         async with anyio.create_task_group() as tg:
 
             async def watch() -> None:
@@ -461,8 +461,13 @@ class Api:
                 tg.cancel_scope.cancel()
 
             tg.start_soon(watch)
-            completions = await self.generate(prepared)
+            try:
+                completions = await self.generate(prepared)
+            except Exception as e:  # raised after the group, not wrapped in an exception group
+                failure = e
             tg.cancel_scope.cancel()
+        if failure is not None:
+            raise failure
         return completions
 
     def keep(self, prepared: Prepared, completions: list[Completion]) -> list:

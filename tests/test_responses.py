@@ -141,7 +141,7 @@ async def test_incomplete_at_the_token_limit_and_refusals(daemon):
     assert short.usage.output_tokens == 3
     assert "input_image" in image.value.message and image.value.body["param"] == "input[0].content"
     assert hosted.value.body["param"] == "tools[0]"
-    reply = httpx.post(daemon.url + "/v1/responses", content=b"{", headers={"Authorization": f"Bearer {daemon.api_key}"})
+    reply = httpx.post(daemon.url + "/v1/responses", content=b"{", headers={"Authorization": f"Bearer {daemon.api_key}", "Content-Type": "application/json"})
     assert reply.status_code == 400 and set(reply.json()["error"]) == {"message", "type", "param", "code"}
 
 
