@@ -12,6 +12,9 @@ repeats, because timings on shared machines swing several-fold between runs.
 - `soak`: many concurrent sessions for a while through the real HTTP API (training on unless
   --no-train): failed requests, latency, resident memory at the end over once warm, and every
   main turn's sample accounted for in the run directory.
+- `refuse`: /healthz latency while four 7.9 MB chat bodies are refused at once, over its
+  latency idle: with the character pre-check (refused before tokenising) and without it (each
+  body templated and tokenised in the worker thread, then refused by its token count).
 - `serve`: (a) the proxy's median end-to-end latency over calling the engine directly with the
   same prompt and sampling (the overhead of HTTP, validation, templating, sessions); (b) the wall
   time of 8 concurrent requests over 8 sequential ones (what batched decoding buys); (c) agent
@@ -49,6 +52,8 @@ async def run(which: str, config, args) -> None:
         await bench_serve(config, args.repeats, args.max_tokens or 32)
     elif which == "train":
         await bench_train(config, args.repeats, args.max_tokens or 32)
+    elif which == "refuse":
+        await bench_refuse(config, args.repeats)
     elif which == "soak":
         await bench_soak(config, sessions=args.concurrency, seconds=args.seconds, max_tokens=args.max_tokens or 4)
     elif which == "openclaw":
@@ -178,6 +183,67 @@ def bare_step_fn(trainer, batch, lr: float):
         optimizer.zero_grad(set_to_none=True)
 
     return bare_step
+
+
+async def bench_refuse(config, repeats: int) -> None:
+    import httpx
+
+    from ocrl.daemon import Daemon
+
+    config = msgspec.structs.replace(config, port=config.port if config.port != 30000 else 30997, no_train=True)
+    daemon = Daemon(config)
+    await daemon.build()
+    huge = msgspec.json.encode({"messages": [{"role": "user", "content": "word " * 1_580_000}], "max_tokens": 2})
+    headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {config.api_key}"} if config.api_key else {})
+    results: dict[str, tuple[list[float], list[float], list[int]]] = {}
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(daemon.serve)
+        while daemon.server is None or not daemon.server.started:
+            await anyio.sleep(0.05)
+        base = f"http://{config.host}:{config.port}"
+        async with httpx.AsyncClient(base_url=base, timeout=600) as client:
+
+            async def pings(until: anyio.Event, into: list[float]) -> None:
+                while not until.is_set():
+                    started = time.perf_counter()
+                    await client.get("/healthz")
+                    into.append(time.perf_counter() - started)
+                    await anyio.sleep(0.02)
+
+            idle: list[float] = []
+            done = anyio.Event()
+            async with anyio.create_task_group() as inner:
+                inner.start_soon(pings, done, idle)
+                await anyio.sleep(2.0)
+                done.set()
+            for mode in ("pre-check", "tokenised"):
+                if mode == "tokenised":  # the pre-check off: every body reaches the tokenizer
+                    daemon.api._token_chars = 10**9
+                latencies, walls, statuses = [], [], []
+                for _ in range(repeats):
+                    done = anyio.Event()
+
+                    async def refuse() -> None:
+                        reply = await client.post("/v1/chat/completions", content=huge, headers=headers)
+                        statuses.append(reply.status_code)
+
+                    async with anyio.create_task_group() as inner:
+                        inner.start_soon(pings, done, latencies)
+                        started = time.perf_counter()
+                        async with anyio.create_task_group() as four:
+                            for _ in range(4):
+                                four.start_soon(refuse)
+                        walls.append(time.perf_counter() - started)
+                        done.set()
+                results[mode] = (latencies, walls, statuses)
+        daemon.server.should_exit = True
+    idle_med = statistics.median(idle)
+    print(f"bench refuse: four {len(huge) / 1e6:.1f} MB chat bodies at once, {repeats} repeats; /healthz idle median {idle_med * 1000:.1f} ms")
+    for mode, (latencies, walls, statuses) in results.items():
+        print(
+            f"  {mode:10s} healthz median {statistics.median(latencies) * 1000:7.1f} ms ({statistics.median(latencies) / idle_med:5.1f}x idle), "
+            f"max {max(latencies) * 1000:7.1f} ms over {len(latencies)} pings; four refused in {statistics.median(walls):.2f} s (median); statuses {sorted(set(statuses))}"
+        )
 
 
 async def bench_train(config, repeats: int, max_tokens: int) -> None:

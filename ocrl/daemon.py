@@ -20,7 +20,7 @@ from pathlib import Path
 import anyio
 import msgspec
 
-from ocrl import chat, models, records as records_mod
+from ocrl import chat, memory, models, records as records_mod
 from ocrl.api import Api
 from ocrl.clients import ClientRules
 from ocrl.config import Config, ConfigError
@@ -49,20 +49,6 @@ def set_threads(config: Config) -> None:
     import torch
 
     torch.set_num_threads(config.threads or max(1, (os.cpu_count() or 2) // 2))
-
-
-def rss_mb() -> float:
-    """This process's resident memory in MiB (Linux: now; elsewhere: the peak so far)."""
-    try:
-        with open("/proc/self/statm") as f:
-            import os
-
-            return round(int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20, 1)
-    except OSError:
-        import resource
-
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        return round(peak / 2**20 if sys.platform == "darwin" else peak / 2**10, 1)
 
 
 def check_access(config: Config) -> None:
@@ -326,7 +312,7 @@ class Daemon:
                 "generated_tokens": self.engine.generated_tokens,
                 **({"prefix_cache": cache.stats()} if (cache := getattr(self.engine, "prefix_cache", None)) is not None else {}),
             },
-            "memory": {"rss_mb": rss_mb()},
+            "memory": {"rss_mb": memory.rss_mb(), **memory.heap()},
             "requests": self.api.request_log.stats(),
             "storage": {
                 "full": self.records.full,

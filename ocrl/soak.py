@@ -35,6 +35,8 @@ class SoakReport:
     failures: list[str] = field(default_factory=list)
     latencies: list[float] = field(default_factory=list)
     rss_mb: list[tuple[float, float]] = field(default_factory=list)  # (seconds since start, MiB)
+    heap: list[tuple[float, dict]] = field(default_factory=list)  # (seconds since start, C heap figures in MiB)
+    steps: list[tuple[float, int]] = field(default_factory=list)  # (seconds since start, training steps so far)
     seconds: float = 0.0
 
     def rss_growth(self) -> tuple[float, float]:
@@ -96,7 +98,10 @@ async def soak(url: str, api_key: str = "", *, sessions: int = 100, seconds: flo
             while time.monotonic() < deadline + 1:
                 try:
                     stats = (await client.get("/v1/ocrl/stats")).json()
-                    report.rss_mb.append((time.monotonic() - started, stats["memory"]["rss_mb"]))
+                    at = time.monotonic() - started
+                    report.rss_mb.append((at, stats["memory"]["rss_mb"]))
+                    report.heap.append((at, {k: v for k, v in stats["memory"].items() if k.startswith("heap_")}))
+                    report.steps.append((at, stats.get("training", {}).get("steps", 0)))
                 except Exception:  # noqa: BLE001 - a missed sample of memory is no failure of the soak
                     pass
                 await anyio.sleep(1.0)
@@ -144,8 +149,16 @@ def print_report(report: SoakReport, accounting: dict, sessions: int) -> None:
     print(f"  RSS end / warm {end / warm if warm else 0:6.3f}x   ({end:.0f} MiB vs {warm:.0f} MiB once warm)")
     if report.rss_mb:  # the shape: a one-time rise (the trainer's first step) then flat, or a climb
         span = report.rss_mb[-1][0]
-        marks = [next(mb for t, mb in report.rss_mb if t >= span * q) for q in (0.25, 0.5, 0.75, 1.0)]
-        print("  RSS at 1/4, 1/2, 3/4, end of the run: " + ", ".join(f"{mb:.0f}" for mb in marks) + " MiB")
+        at = lambda series, q: next(v for t, v in series if t >= span * q)  # noqa: E731
+        marks = [at(report.rss_mb, q) for q in (0.0, 0.25, 0.5, 0.75, 1.0)]
+        print("  RSS at start, 1/4, middle, 3/4, end: " + ", ".join(f"{mb:.0f}" for mb in marks) + " MiB"
+              f"; end / middle {marks[-1] / marks[2]:.3f}x")
+        if report.steps:
+            print("  training steps at the same marks: " + ", ".join(str(at(report.steps, q)) for q in (0.0, 0.25, 0.5, 0.75, 1.0)))
+        if report.heap and report.heap[-1][1]:
+            for name, q in (("middle", 0.5), ("end", 1.0)):
+                figures = at(report.heap, q)
+                print(f"  C heap at the {name}: " + ", ".join(f"{k.removeprefix('heap_').removesuffix('_mb')} {v:.0f}" for k, v in figures.items()) + " MiB")
     print(f"  samples: {accounting['journaled']} journaled for {accounting['main_turns']} main turns, {accounting['missing']} missing, "
           f"{accounting['journaled_twice']} twice, {accounting['effective']} effective")
     for failure in report.failures[:5]:

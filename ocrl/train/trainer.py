@@ -58,6 +58,7 @@ from pathlib import Path
 import anyio
 import torch
 
+from ocrl import memory
 from ocrl.faults import crash_point
 from ocrl.train.loss import (
     combined_advantages,
@@ -885,6 +886,9 @@ class Trainer:
                         log.exception("training step failed")
                         self.events.log("error", f"training step failed: {type(e).__name__}: {e}")
                         continue
+                    # the step's activations and gradients are freed: hand the pages back to the
+                    # OS rather than leave them in glibc's arenas (see memory.py)
+                    await anyio.to_thread.run_sync(memory.trim)
                     if stepped and self.config.save_interval > 0 and self.steps % self.config.save_interval == 0:
                         await self.save_checkpoint()
         finally:
