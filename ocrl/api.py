@@ -388,20 +388,26 @@ class Api:
         return Prepared(messages, tools, prompt_ids, choices, ticket, http.scope)
 
     async def render(self, messages: list[Message], tools: list[dict] | None, param: str = "messages") -> list[int]:
-        """Prompt ids, rendered and tokenised in a worker thread (a long prompt takes seconds of
-        CPU that the event loop must not lose), after a character count has turned away
-        prompts that cannot fit in the context whatever they tokenise to."""
+        """Prompt ids of a chat, rendered and tokenised off the event loop (see `tokenise`)."""
         chars = sum(len(m.content or "") + len(str(m.tool_calls or "")) for m in messages) + (len(_encoder.encode(tools)) if tools else 0)
+        try:
+            return await self.tokenise(chars, param, chat.prompt_ids, self.tokenizer, messages, tools)
+        except ApiError:
+            raise
+        except Exception as e:
+            raise ApiError(400, f"cannot apply the chat template to these messages: {e}", param=param) from None
+
+    async def tokenise(self, chars: int, param: str, fn, *args):
+        """`fn(*args)` (templating, tokenising) in a worker thread: a long prompt takes seconds of
+        CPU that the event loop must not lose. First, a prompt of `chars` characters that
+        cannot fit the context whatever it tokenises to is refused without tokenising."""
         most = self.engine.max_context * self._longest_token()
         if chars > most:
             raise ApiError(
                 400, f"prompt is {chars} characters; no more than {most} can fit the context of {self.engine.max_context} tokens",
                 param=param, code="context_length_exceeded",
             )
-        try:
-            return await anyio.to_thread.run_sync(chat.prompt_ids, self.tokenizer, messages, tools, limiter=self._render_limiter)
-        except Exception as e:
-            raise ApiError(400, f"cannot apply the chat template to these messages: {e}", param=param) from None
+        return await anyio.to_thread.run_sync(fn, *args, limiter=self._render_limiter)
 
     def _longest_token(self) -> int:
         """The most characters one token can stand for (its vocabulary's longest entry)."""

@@ -27,7 +27,8 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from ocrl.api import ApiError, Prepared, StreamOptions, error_response, json_response
+from ocrl import guard
+from ocrl.api import ApiError, Prepared, StreamOptions, check_fields, error_response, json_response
 from ocrl.engine.base import EngineError
 from ocrl.streams import Accumulator, merged
 from ocrl.types import Message
@@ -45,7 +46,7 @@ class CompletionRequest(msgspec.Struct):
     temperature: Annotated[float, msgspec.Meta(ge=0, le=2)] | None = None
     top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: Annotated[int, msgspec.Meta(ge=guard.SEED_RANGE[0], le=guard.SEED_RANGE[1])] | None = None
     n: Annotated[int, msgspec.Meta(ge=1, le=16)] = 1
     best_of: int | None = None
     logprobs: Annotated[int, msgspec.Meta(ge=0, le=20)] | None = None
@@ -74,13 +75,13 @@ class Completions:
             log.exception("completion failed")
             return error_response(ApiError(500, "internal error while serving the request", "server_error"))
 
-    def _prompt_ids(self, prompt: str | list[Any]) -> list[int]:
+    async def _prompt_ids(self, prompt: str | list[Any]) -> list[int]:
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]  # a batch of one
         if isinstance(prompt, str):
             if not prompt:
                 raise ApiError(400, "`prompt` is empty", param="prompt")
-            return list(self.api.tokenizer.encode(prompt))
+            return list(await self.api.tokenise(len(prompt), "prompt", self.api.tokenizer.encode, prompt))
         vocabulary = len(self.api.tokenizer)
         if not prompt or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             raise ApiError(400, "`prompt` must be a string or a non-empty list of token ids (one prompt per request)", param="prompt")
@@ -102,7 +103,8 @@ class Completions:
                 raise ApiError(400, f"`{field}` is not supported", param=field)
         if (http.headers.get("x-turn-type") or body.turn_type) == "main":
             raise ApiError(400, "completions are side turns: a raw prompt has no next state to judge", param="turn_type")
-        prompt_ids = self._prompt_ids(body.prompt)
+        check_fields(http.headers.get("x-session-id") or body.session_id, {})
+        prompt_ids = await self._prompt_ids(body.prompt)
         sampling = SimpleNamespace(
             max_completion_tokens=None, max_tokens=body.max_tokens or DEFAULT_MAX_TOKENS, stop=body.stop, temperature=body.temperature,
             top_p=body.top_p, seed=body.seed, logprobs=body.logprobs is not None, top_logprobs=body.logprobs,
@@ -118,7 +120,9 @@ class Completions:
         if body.stream:
             return StreamingResponse(self._sse(body, prepared), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         # 2. generate  3. keep (as side turns)
-        completions = await api.generate(prepared)
+        completions = await api.generate_while_connected(prepared, http)
+        if completions is None:
+            return Response(status_code=499)  # the client left: generation stopped
         turns = api.keep(prepared, completions)
         return json_response(
             {
