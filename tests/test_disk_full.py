@@ -204,3 +204,69 @@ async def wait_for(predicate, timeout: float):
     with anyio.fail_after(timeout):
         while not predicate():
             await anyio.sleep(0.2)
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A 1 MiB tmpfs (root with mount rights only; skipped elsewhere): a real full disk."""
+    import shutil
+    import subprocess
+
+    mount = tmp_path / "tmpfs"
+    mount.mkdir()
+    if os.geteuid() != 0 or not shutil.which("mount"):
+        pytest.skip("mounting a tmpfs needs root")
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], capture_output=True)
+
+
+def test_a_real_full_tmpfs_keeps_every_journal_row_whole(small_tmpfs):
+    filler = small_tmpfs / "filler"
+    filler.write_bytes(b"\0" * (1024 * 1024 - 100 * 1024))  # ~100 KB left, as the issue's reproduction
+    records = Records(small_tmpfs / "run")
+    big = lambda i: msgspec.structs.replace(sample(i), tokens=list(range(3000)))  # ~15 KB a row  # noqa: E731
+    written = 0
+    with pytest.raises(DiskFull):
+        for i in range(1000):
+            records.journal(big(i))
+            written += 1
+    assert 0 < written < 1000 and records.full
+    filler.unlink()  # space returns
+    try:
+        assert records.recover(headroom=64 * 1024)  # (the daemon asks for 1 MiB: this disk is 1 MiB)
+        records.journal(big(written))
+    finally:
+        records.close()
+    journal = (small_tmpfs / "run" / "journal.jsonl").read_bytes()
+    assert journal.endswith(b"\n")
+    assert [s.sample_id for s in Records(small_tmpfs / "run").backlog()] == [f"s:{i}" for i in range(written + 1)]
+
+
+async def test_a_checkpoint_that_hits_a_full_disk_leaves_no_staging_and_the_previous_stands(tmp_path, monkeypatch):
+    from test_trainer import base as _base_fixture  # noqa: F401
+    from test_trainer import make_config, make_engine, make_samples
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from ocrl.train.trainer import Trainer, checkpoints
+
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                         num_key_value_heads=2, intermediate_size=64, max_position_embeddings=128)).eval()
+    trainer = Trainer(make_config(tmp_path, rollout_batch_size=2), model, engine=make_engine(model))
+    await trainer.step(make_samples(model, 2))
+    first = await trainer.save_checkpoint()
+    await trainer.step(make_samples(model, 2, seed=1))
+
+    def full(obj, path):  # the optimizer state does not fit (before: the error escaped, the staging dir stayed)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr("ocrl.train.trainer._save_private", full)
+    assert await trainer.save_checkpoint() is None
+    assert checkpoints(tmp_path / "checkpoints") == [first]
+    assert not list((tmp_path / "checkpoints").glob(".step-*"))
+    monkeypatch.undo()
+    assert (await trainer.save_checkpoint()).name == "step-2"  # space returned: saved as usual

@@ -929,7 +929,7 @@ class Trainer:
                 await anyio.to_thread.run_sync(_save_private, self.optimizer.state_dict(), staging / "optimizer.pt")
                 self.events.publish(Progress(task=task, done=2, total=3))
                 await anyio.to_thread.run_sync(self._finish_checkpoint, staging, final, state)
-            except (OSError, RuntimeError) as e:  # a full disk: the previous checkpoint stands
+            except Exception as e:  # a full disk (OSError, or the writers own errors): the previous checkpoint stands
                 shutil.rmtree(staging, ignore_errors=True)
                 log.error("checkpoint of step %d failed (%s): the previous one stands", self.steps, e)
                 self.events.log("error", f"checkpoint of step {self.steps} failed: {e}")
