@@ -4,7 +4,7 @@ sampling inside it.
 
 `from_request` turns the request's fields into a `Grammar` (types.py) or refuses them with a
 `GrammarError` naming the construct it cannot enforce (the API answers 400 before anything is
-recorded). `Grammars` compiles a grammar against one tokenizer's vocabulary (outlines-core's
+recorded); JSON schemas become regexes in schema_regex.py. `Grammars` compiles a grammar against one tokenizer's vocabulary (outlines-core's
 regex -> token automaton, cached) and hands out a `Matcher` per request: the ids allowed next,
 advanced by each sampled id. This module knows nothing of HTTP, sessions or how the engine
 batches; SGLang enforces the same `Grammar` with its own sampling parameters (engine/sglang.py).
@@ -24,25 +24,9 @@ from typing import Any
 
 import torch
 
+from ocrl.schema_regex import WS, SchemaError, json_object_regex, schema_regex
 from ocrl.types import Grammar
 
-# What a schema may say for us to enforce it exactly: keywords the regex builder turns into the
-# language, plus annotations that constrain nothing. Anything else (minimum, not, if/then,
-# patternProperties, uniqueItems, ...) would be accepted by the builder and silently not
-# enforced, so it is refused by name instead.
-_ENFORCED = {
-    "type", "properties", "required", "additionalProperties", "items", "prefixItems", "minItems",
-    "maxItems", "enum", "const", "anyOf", "oneOf", "allOf", "$ref", "$defs", "definitions",
-    "minLength", "maxLength", "pattern", "format", "minProperties", "maxProperties",
-}  # fmt: skip
-_ANNOTATIONS = {
-    "title", "description", "default", "examples", "$schema", "$id", "$comment", "deprecated",
-    "readOnly", "writeOnly", "strict", "nullable",
-}  # fmt: skip
-_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
-_SUBSCHEMA_MAPS = ("properties", "$defs", "definitions")
-
-_WS = r"[ ]?"  # the regex builder's own default: at most one space between JSON tokens
 _MAX_CACHED = 16  # compiled grammars kept per engine
 _MASK_BYTES = 4 << 20  # per grammar: ~85 states' masks at a 49k vocabulary
 
@@ -55,68 +39,18 @@ class GrammarError(ValueError):
         self.param = param
 
 
-def _json_object_regex() -> str:
-    """Any JSON object, nested two levels (scalars, arrays of scalars, objects of scalars). The
-    builder's own free-form object nests deeper and takes ~20 s to compile against a 49k
-    vocabulary; this one takes ~1 s."""
-    from outlines_core.json_schema import NUMBER, STRING
-
-    scalar = rf"(?:{STRING}|{NUMBER}|true|false|null)"
-
-    def array(item: str) -> str:
-        return rf"\[{_WS}(?:{item}(?:{_WS},{_WS}{item})*)?{_WS}\]"
-
-    def obj(value: str) -> str:
-        member = rf"{STRING}{_WS}:{_WS}{value}"
-        return rf"\{{{_WS}(?:{member}(?:{_WS},{_WS}{member})*)?{_WS}\}}"
-
-    return obj(rf"(?:{scalar}|{array(scalar)}|{obj(scalar)})")
-
-
-def check_schema(schema: Any, where: str = "$") -> None:
-    """Raises GrammarError naming the first construct that would not be enforced."""
-    if isinstance(schema, bool):
-        if not schema:
-            raise GrammarError(f"schema `false` at {where} admits nothing")
-        return
-    if not isinstance(schema, dict):
-        raise GrammarError(f"a JSON schema must be an object, at {where}")
-    for key in schema:
-        if key not in _ENFORCED and key not in _ANNOTATIONS:
-            raise GrammarError(f"JSON schema keyword `{key}` at {where} is not supported by constrained decoding")
-    if "properties" in schema:
-        for key in ("anyOf", "oneOf", "allOf"):
-            if key in schema:
-                raise GrammarError(f"JSON schema `{key}` beside `properties` at {where} is not supported")
-    for key in _SUBSCHEMA_LISTS:
-        for i, sub in enumerate(schema.get(key) or []):
-            check_schema(sub, f"{where}.{key}[{i}]")
-    for key in _SUBSCHEMA_MAPS:
-        for name, sub in (schema.get(key) or {}).items():
-            check_schema(sub, f"{where}.{key}.{name}")
-    for key in ("items", "additionalProperties"):
-        if isinstance(schema.get(key), dict):
-            check_schema(schema[key], f"{where}.{key}")
-
-
-def schema_regex(schema: dict, where: str) -> str:
-    check_schema(schema, where)
-    from outlines_core.json_schema import build_regex_from_schema
-
-    if {k: v for k, v in schema.items() if k not in _ANNOTATIONS} == {"type": "object"}:
-        return _json_object_regex()
+def _schema_regex(schema: Any, where: str) -> str:
     try:
-        return build_regex_from_schema(json.dumps(schema), _WS)
-    except (ValueError, TypeError) as e:
-        reason = str(e).split("\n")[0]
-        raise GrammarError(f"unsupported JSON schema at {where}: {reason}") from None
+        return schema_regex(schema, where)
+    except SchemaError as e:
+        raise GrammarError(str(e)) from None
 
 
 def _tool_call_regex(function: dict, where: str) -> str:
     parameters = function.get("parameters") or {"type": "object", "properties": {}}
-    arguments = schema_regex(parameters, f"{where}.parameters")
+    arguments = _schema_regex(parameters, f"{where}.parameters")
     name = re.escape(json.dumps(function["name"]))
-    call = rf'\{{{_WS}"name"{_WS}:{_WS}{name}{_WS},{_WS}"arguments"{_WS}:{_WS}(?:{arguments}){_WS}\}}'
+    call = rf'\{{{WS}"name"{WS}:{WS}{name}{WS},{WS}"arguments"{WS}:{WS}(?:{arguments}){WS}\}}'
     return rf"<tool_call>\n?{call}\n?</tool_call>"
 
 
@@ -159,14 +93,14 @@ def from_request(response_format: dict | None, tools: list[dict] | None, tool_ch
             raise GrammarError("response_format needs a `type`", "response_format.type")
         return None
     if kind == "json_object":
-        return Grammar(regex=_json_object_regex(), source="json_object", json_schema=json.dumps({"type": "object"}))
+        return Grammar(regex=json_object_regex(), source="json_object", json_schema=json.dumps({"type": "object"}))
     if kind == "json_schema":
         spec = response_format.get("json_schema")
         schema = spec.get("schema") if isinstance(spec, dict) else None
         if not isinstance(schema, dict):
             raise GrammarError("response_format.json_schema needs a `schema` object", "response_format.json_schema.schema")
         try:
-            regex = schema_regex(schema, "$")
+            regex = _schema_regex(schema, "$")
         except GrammarError as e:
             raise GrammarError(f"response_format: {e}", "response_format.json_schema.schema") from None
         return Grammar(regex=regex, source="json_schema", json_schema=json.dumps(schema))

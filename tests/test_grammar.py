@@ -5,13 +5,15 @@ while unconstrained rows of the same batch sample as if alone."""
 from __future__ import annotations
 
 import json
+import random
 import re
+from pathlib import Path
 
 import anyio
 import pytest
 import torch
 
-from ocrl import grammar
+from ocrl import grammar, schema_regex
 from ocrl.engine.base import finished_end
 from ocrl.grammar import GrammarError
 from ocrl.types import Grammar, SamplingParams
@@ -31,6 +33,16 @@ TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"typ
 
 def full(g: Grammar, text: str) -> bool:
     return re.fullmatch(g.regex, text) is not None
+
+
+@pytest.fixture(scope="module")
+def openclaw_tools() -> list[dict]:
+    tools = {}
+    for line in (Path(__file__).parent / "data" / "openclaw" / "compaction.jsonl").read_text().splitlines():
+        for tool in json.loads(line)["request"].get("tools") or []:
+            tools.setdefault(tool["function"]["name"], tool)
+    assert len(tools) >= 5
+    return list(tools.values())
 
 
 # -- requests -> grammars ---------------------------------------------------------------------
@@ -84,7 +96,8 @@ def test_forced_tool_choice_wins_over_response_format():
 @pytest.mark.parametrize(
     "response_format, tools, tool_choice, named, param",
     [
-        ({"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "integer", "minimum": 3}}}, None, None, "`minimum`", "response_format.json_schema.schema"),
+        ({"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "number", "minimum": 3}}}, None, None, "`minimum`", "response_format.json_schema.schema"),
+        ({"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "integer", "multipleOf": 3}}}, None, None, "`multipleOf`", "response_format.json_schema.schema"),
         ({"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "object", "properties": {"a": {"not": {"type": "string"}}}}}}, None, None, "`not` at $.properties.a", "response_format.json_schema.schema"),
         ({"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "string", "format": "hostname"}}}, None, None, "hostname", "response_format.json_schema.schema"),
         ({"type": "json_schema", "json_schema": {"name": "n"}}, None, None, "schema", "response_format.json_schema.schema"),
@@ -92,7 +105,7 @@ def test_forced_tool_choice_wins_over_response_format():
         (None, None, "required", "no `tools`", "tool_choice"),
         (None, [WEATHER], {"type": "function", "function": {"name": "nope"}}, "'nope'", "tool_choice"),
         (None, [WEATHER], "always", "'always'", "tool_choice"),
-        (None, [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "patternProperties": {"x": {}}}}}], "required", "`patternProperties`", None),
+        (None, [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "patternProperties": {"^x": {}}}}}], "required", "`patternProperties`", None),
     ],
 )
 def test_what_cannot_be_enforced_is_refused_by_name(response_format, tools, tool_choice, named, param):
@@ -101,6 +114,43 @@ def test_what_cannot_be_enforced_is_refused_by_name(response_format, tools, tool
     assert named in str(refused.value)
     if param is not None:
         assert refused.value.param == param
+
+
+def test_integer_bounds_are_enforced_as_decimal_ranges():
+    # every integer in -1200..1200 against bounds drawn from -130..130 (None: unbounded)
+    random.seed(0)
+    edges = [*range(-130, 131), None]
+    for _ in range(300):
+        low, high = random.choice(edges), random.choice(edges)
+        if low is not None and high is not None and low > high:
+            continue
+        admits = re.compile(schema_regex.integer_range_regex(low, high))
+        for n in range(-1200, 1201):
+            assert bool(admits.fullmatch(str(n))) == ((low is None or n >= low) and (high is None or n <= high)), (low, high, n)
+        assert not admits.fullmatch("-0") and not admits.fullmatch("007")
+    # exclusive bounds and fractional bounds round inwards
+    assert re.fullmatch(schema_regex.schema_regex({"type": "integer", "exclusiveMinimum": 2.5, "exclusiveMaximum": 5}), "3")
+    assert not re.fullmatch(schema_regex.schema_regex({"type": "integer", "exclusiveMinimum": 2.5, "exclusiveMaximum": 5}), "5")
+
+
+def test_agent_tool_schemas_are_enforced(openclaw_tools):
+    """OpenClaw's own tools (captured from its CLI): integer minimums, a match-all
+    patternProperties, free-form values, a string of up to 512 characters."""
+    g = grammar.from_request(None, openclaw_tools, "required")
+    assert full(g, '<tool_call>{"name": "session_status", "arguments": {"changesSince": 0}}</tool_call>')
+    assert not full(g, '<tool_call>{"name": "session_status", "arguments": {"changesSince": -1}}</tool_call>')  # minimum 0
+    assert full(g, '<tool_call>{"name": "tool_call", "arguments": {"id": "x", "args": {"a": [1, "b"], "c": {"d": null}}}}</tool_call>')
+    assert full(g, '<tool_call>{"name": "tool_search", "arguments": {"query": null, "limit": 5}}</tool_call>')
+    assert not full(g, '<tool_call>{"name": "tool_search", "arguments": {"limit": 0}}</tool_call>')  # minimum 1
+    assert not full(g, '<tool_call>{"name": "tool_search", "arguments": {"queries": [{"query": ""}]}}</tool_call>')  # minLength 1
+
+
+def test_bounded_strings_are_a_printable_subset_of_the_schema():
+    g = schema_regex.schema_regex({"type": "string", "minLength": 2, "maxLength": 512})
+    assert re.fullmatch(g, '"ab"') and re.fullmatch(g, '"' + "x" * 64 + '"')
+    assert not re.fullmatch(g, '"a"')  # minLength
+    assert not re.fullmatch(g, '"' + "x" * 65 + '"')  # capped at 64: still within maxLength 512
+    assert not re.fullmatch(g, '"caf\u00e9"') and not re.fullmatch(g, '"a\"b"')  # no escapes, ASCII only
 
 
 # -- vocabulary -------------------------------------------------------------------------------

@@ -110,7 +110,7 @@ async def test_named_tool_choice_calls_that_function(daemon):
 @pytest.mark.parametrize(
     "extra, named",
     [
-        ({"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "object", "properties": {"n": {"type": "integer", "minimum": 1}}}}}}, "`minimum` at $.properties.n"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "object", "properties": {"n": {"type": "number", "maximum": 1}}}}}}, "`maximum` at $.properties.n"),
         ({"tools": [WEATHER_TOOL], "tool_choice": {"type": "function", "function": {"name": "launch"}}}, "'launch'"),
     ],
 )
