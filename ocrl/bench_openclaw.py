@@ -143,8 +143,10 @@ def write_home(home: Path, config, model_id: str, context: int) -> None:
     provider["models"].append(forced)
     defaults = block["agents"]["defaults"]
     defaults["workspace"] = str(home / "workspace")
-    # each summary request may wait behind other work on a CPU: OpenClaw's 180 s default cuts it off
-    defaults["compaction"] = {"timeoutSeconds": int(config.request_timeout)}
+    # each summary request may wait behind other work on a CPU: OpenClaw's 180 s default cuts it off.
+    # Its quality guard wants required headings a 135M model's summary lacks, and then retries and
+    # keeps the old history (seen as a second round of summary requests); not yet run with it off.
+    defaults["compaction"] = {"timeoutSeconds": int(config.request_timeout), "qualityGuard": {"enabled": False}}
     defaults["models"] = {
         f"{openclaw.PROVIDER}/{forced['id']}": {"params": {"extra_body": {"tool_choice": {"type": "function", "function": {"name": "ls"}}}}}
     }
