@@ -35,6 +35,10 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # how trained weights reach an sglang engine: full = the merged weights swapped in place;
     # lora = the adapter loaded as a new version (LoRA training only; the judge reads the base)
     weight_sync: Literal["full", "lora"] = "full"
+    # --replicas N: N engine replicas as Ray actors (the cluster extra), requests routed with
+    # session affinity; 0 = the engine in this process. --ray-address: local | auto | HOST:PORT
+    replicas: int = 0
+    ray_address: str = "local"
     engine_mem_fraction: float = 0.5  # sglang: share of GPU memory for its static pool; the trainer gets the rest
     random_init: str = ""  # a named architecture with random weights (systems benchmarks without weights), e.g. qwen3-4b
     dtype: str = "auto"  # auto (fp32 on CPU, bf16 on GPU) | float32 | bfloat16 | float16

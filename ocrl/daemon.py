@@ -141,7 +141,12 @@ class Daemon:
         )
         self.loaded = loaded
         self.events.publish(Progress(task="loading model", done=1, total=3))
-        self.engine = await build_engine(config, loaded)
+        if config.replicas:
+            from ocrl.cluster.router import Cluster
+
+            self.engine = await Cluster.start(config, loaded)
+        else:
+            self.engine = await build_engine(config, loaded)
         run_dir = Path(config.record_dir) if config.record_dir else None
         if run_dir is None and config.resume:
             run_dir = records_mod.newest_run_dir()
@@ -311,6 +316,7 @@ class Daemon:
                 "active": self.engine.active,
                 "generated_tokens": self.engine.generated_tokens,
                 **({"prefix_cache": cache.stats()} if (cache := getattr(self.engine, "prefix_cache", None)) is not None else {}),
+                **({"replicas": self.engine.stats()} if self.config.replicas else {}),
             },
             "memory": {"rss_mb": memory.rss_mb(), **memory.heap()},
             "requests": self.api.request_log.stats(),

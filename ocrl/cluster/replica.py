@@ -1,0 +1,123 @@
+"""One engine replica as a Ray actor: the same engine class the single-process daemon serves with
+(today the transformers engine, on the CPUs or the GPU Ray gives the actor), behind a few
+remote methods the router (cluster/router.py) calls.
+
+Contract:
+ - The actor loads the model itself from the daemon's `Config` (`--model`, `--random-init`,
+   dtype, context), on its own device, and starts its engine's scheduler in the actor's event
+   loop. It then serves nothing until `load(tensors, version)` has run: a fresh actor, and one
+   Ray restarted after a crash, first takes the current weights (every tensor trained since
+   version 0, sent through Ray's object store) and only then takes requests. A request that
+   arrives before that fails with `NotLoaded` (the router routes around it).
+ - `stream` is a streaming generator of the engine's own chunks (`TokenChunk`, the last a
+   `Final` that carries the weights version this replica served it with); `update_weights`,
+   `score`, `next_token_logprobs` and `prepare` are the engine's, unchanged.
+ - `status` answers at once (never behind a batch): incarnation, loaded version, load, memory.
+
+This module knows nothing about routing, sessions or HTTP.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+import uuid
+
+from ocrl.engine.base import EngineError
+
+
+class NotLoaded(EngineError):
+    """The replica has not taken the current weights yet (just started or restarted)."""
+
+
+class Replica:
+    """Wrapped by `ray.remote` in router.py (this module imports no Ray, so it loads without the extra)."""
+
+    def __init__(self, config, index: int):
+        import torch
+
+        from ocrl import models
+        from ocrl.engine.hf import HFEngine
+
+        torch.set_num_threads(config.threads or 1)  # one actor per CPU Ray gives it
+        self.index = index
+        self.incarnation = uuid.uuid4().hex[:8]  # changes when Ray restarts the actor
+        self.started = time.time()
+        loaded = models.load(
+            config.model, device=config.device, dtype=config.dtype, random_init=config.random_init,
+            context_length=config.context_length, rope_scaling=config.rope_scaling,
+        )
+        self.engine = HFEngine(
+            loaded, max_batch_size=config.max_batch_size, max_queued=config.max_queued_requests,
+            max_context=config.context_length, prefix_cache_budget=config.prefix_cache,
+        )
+        self.loaded_version: int | None = None
+        self.served = 0
+        self._scheduler = None
+
+    def _ensure_running(self) -> None:
+        # the actor's event loop exists only once a remote call runs, not in __init__
+        if self._scheduler is None:
+            self._scheduler = asyncio.get_running_loop().create_task(self.engine.run())
+
+    def _check_loaded(self) -> None:
+        if self.loaded_version is None:
+            raise NotLoaded(f"replica {self.index} has not loaded the current weights yet")
+
+    async def load(self, named_tensors: dict, version: int) -> dict:
+        """Takes the current weights (all tensors trained so far; empty at version 0 of a model
+        every replica loads alike) before serving; returns `status()`."""
+        self._ensure_running()
+        if named_tensors:
+            await self.engine.update_weights(named_tensors, version)
+        self.engine.weights_version = version
+        self.loaded_version = version
+        return await self.status()
+
+    async def update_weights(self, named_tensors: dict, version: int) -> float:
+        self._ensure_running()
+        self._check_loaded()
+        seconds = await self.engine.update_weights(named_tensors, version)
+        self.loaded_version = version
+        return seconds
+
+    async def stream(self, prompt_ids: list[int], params):
+        self._ensure_running()
+        self._check_loaded()
+        self.served += 1
+        async for chunk in self.engine.stream(prompt_ids, params):
+            yield chunk
+
+    async def prepare(self, grammar) -> None:
+        await self.engine.prepare(grammar)
+
+    async def score(self, prompt_ids: list[int], response_ids: list[int]) -> list[float]:
+        self._ensure_running()
+        self._check_loaded()
+        return await self.engine.score(prompt_ids, response_ids)
+
+    async def next_token_logprobs(self, prompt_ids: list[int]):
+        self._ensure_running()
+        self._check_loaded()
+        return await self.engine.next_token_logprobs(prompt_ids)
+
+    async def status(self) -> dict:
+        from ocrl.daemon import rss_mb
+
+        engine = self.engine
+        return {
+            "index": self.index,
+            "incarnation": self.incarnation,
+            "pid": os.getpid(),
+            "weights_version": self.loaded_version,
+            "queue_depth": engine.queue_depth,
+            "active": engine.active,
+            "generated_tokens": engine.generated_tokens,
+            "served": self.served,
+            "rss_mb": rss_mb(),
+            "prefix_cache": engine.prefix_cache.stats(),
+            "device": str(engine.device),
+            "max_context": engine.max_context,
+            "name": engine.name,
+        }

@@ -1,0 +1,157 @@
+"""`--replicas 2` on a local Ray cluster this test process starts in-process: the real daemon (a
+subprocess, as a user starts it, joining the cluster with --ray-address HOST:PORT) with two
+transformers-engine replicas of `--random-init tiny`, the real `openai` client. Routing and
+session affinity, trained versions reaching both replicas (probe verified on each), and a
+replica killed with ray.kill mid-request: only its request fails, the other keeps serving, Ray
+restarts it and it serves the current version again.
+
+One cluster and one daemon for the module: Ray and two replica processes take most of the time.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+
+from conftest import API_KEY, Daemon
+
+ray = pytest.importorskip("ray", reason="--replicas needs the cluster extra (ray)")
+
+
+def test_affinity_index_follows_the_longest_cached_prefix():
+    from ocrl.cluster.affinity import AffinityIndex
+
+    index = AffinityIndex(block=4)
+    system = [1, 2, 3, 4]
+    a = system + [10, 11, 12, 13, 14, 15, 16, 17, 18]
+    b = system + [20, 21, 22, 23, 24, 25, 26, 27]
+    index.remember(a, "r0")
+    index.remember(b, "r1")
+    assert index.match(a + [99, 98, 97, 96]) == ("r0", 12)  # a's next turn: whole blocks of a
+    assert index.match(b + [5]) == ("r1", 12)
+    assert index.match(system + [7, 7, 7, 7]) in (("r0", 4), ("r1", 4))  # only the shared system prompt
+    assert index.match([9, 9, 9, 9, 9]) == (None, 0)
+    small = AffinityIndex(block=4, capacity=3)
+    small.remember(a, "r0")  # 3 blocks fit; the next sequence evicts a's deepest blocks first
+    small.remember([5, 5, 5, 5], "r1")
+    assert small.match(a) == ("r0", 8)
+
+
+def remote_address() -> str:
+    return ray.get_runtime_context().gcs_address
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, scripted_judge):
+    import torch
+
+    torch.set_num_threads(1)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, namespace="ocrl")
+    d = Daemon(
+        tmp_path_factory.mktemp("cluster") / "run", "--random-init", "tiny", "--replicas", "2",
+        "--ray-address", remote_address(), "--threads", "1", "--rollout-batch-size", "4", "--batch-counts", "all",
+        "--prm-mode", "generate", "--prm-url", scripted_judge.url, "--prm-m", "1", "--train-yield-max", "0",
+    )
+    try:
+        yield d.start(timeout=400)
+    finally:
+        d.stop()
+        ray.shutdown()
+
+
+def replicas(daemon) -> list[dict]:
+    return daemon.stats()["engine"]["replicas"]
+
+
+def wait_until(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if value := predicate():
+            return value
+        time.sleep(0.3)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def chat(client, messages, sid: str, **kw):
+    return client.chat.completions.create(
+        model="m", messages=messages, temperature=0, extra_headers={"X-Session-Id": sid}, **kw
+    )
+
+
+def test_a_sessions_turns_stay_on_its_replica_and_new_sessions_spread(cluster):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=cluster.url + "/v1", api_key=API_KEY, max_retries=0)
+    before = [r["routed"] for r in replicas(cluster)]
+    sessions = {sid: [{"role": "user", "content": f"{sid}: " + "tell me about the sea and the sky. " * 6}] for sid in ("sa", "sb")}
+    for turn in range(2):
+        for sid, messages in sessions.items():
+            r = chat(client, messages, sid, max_tokens=6)
+            if turn == 1:  # the same replica holds turn 0's prompt and answer in its prefix cache
+                assert r.usage.prompt_tokens_details.cached_tokens >= r.usage.prompt_tokens // 2, sid
+            messages += [{"role": "assistant", "content": r.choices[0].message.content}, {"role": "user", "content": "more [votes: 1]"}]
+    routed = [r["routed"] - b for r, b in zip(replicas(cluster), before)]
+    assert routed == [2, 2]  # one session each (least load), both turns on it (affinity)
+
+
+def test_trained_versions_reach_every_replica_and_verify(cluster):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=cluster.url + "/v1", api_key=API_KEY, max_retries=0)
+    for i in range(5):  # with the first test's turns: more than a batch of 4 samples
+        messages = [{"role": "user", "content": f"question {i}"}]
+        r = chat(client, messages, f"v{i}", max_tokens=4)
+        messages += [{"role": "assistant", "content": r.choices[0].message.content}, {"role": "user", "content": "ok [votes: 1]"}]
+        chat(client, messages, f"v{i}", max_tokens=4)
+    stats = wait_until(lambda: (s := cluster.stats())["training"]["steps"] >= 1 and s, 120, "a training step")
+    version = stats["weights_version"]
+    assert version == stats["training"]["steps"] >= 1
+    assert stats["training"]["last"]["verified"] == 1.0  # the probe agreed on every replica
+    wait_until(lambda: all(r["weights_version"] == version for r in replicas(cluster)), 10, "every replica at the version")
+    assert all(r["probe_diff"] <= 1e-3 for r in replicas(cluster))
+
+
+def test_a_killed_replica_fails_only_its_requests_and_comes_back_with_the_current_version(cluster):
+    import openai
+    from openai import OpenAI
+
+    client = OpenAI(base_url=cluster.url + "/v1", api_key=API_KEY, max_retries=0)
+    outcome: dict[str, object] = {}
+
+    def long_stream(sid: str) -> None:
+        try:
+            stream = chat(client, [{"role": "user", "content": f"{sid} go on"}], sid, max_tokens=1500, stream=True)
+            for n, _ in enumerate(stream):
+                if n == 3:  # tokens are flowing (a request with none yet would be retried elsewhere)
+                    outcome[sid + ":flowing"] = time.monotonic()
+            outcome[sid] = "finished"
+        except openai.APIError as e:
+            outcome[sid] = e
+
+    threads = [threading.Thread(target=long_stream, args=(sid,)) for sid in ("ka", "kb")]
+    for t in threads:
+        t.start()
+        wait_until(lambda: sum(r["inflight"] for r in replicas(cluster)) >= 1 + threads.index(t), 30, "the request in flight")
+    busy = replicas(cluster)
+    assert [r["inflight"] for r in busy] == [1, 1]  # least load: one on each
+    victim = busy[0]
+    wait_until(lambda: "ka:flowing" in outcome and "kb:flowing" in outcome, 30, "both streams under way")
+    ray.kill(ray.get_actor(f"ocrl-{cluster.port}-replica-0", namespace="ocrl"), no_restart=False)
+    for t in threads:
+        t.join(120)
+    failed = [sid for sid in ("ka", "kb") if isinstance(outcome[sid], Exception)]
+    assert len(failed) == 1 and [outcome[sid] for sid in ("ka", "kb")].count("finished") == 1, outcome
+    assert "replica 0 went away" in str(outcome[failed[0]])
+    # Ray restarts it; it loads the current version, then serves again
+    back = wait_until(
+        lambda: (r := replicas(cluster)[0])["ready"] and r["incarnation"] != victim["incarnation"] and r, 120, "the replica back"
+    )
+    assert back["weights_version"] == cluster.stats()["weights_version"] and back["pid"] != victim["pid"]
+    served_before = [r["routed"] for r in replicas(cluster)]
+    for i in range(4):
+        chat(client, [{"role": "user", "content": f"after {i}"}], f"after{i}", max_tokens=2)
+    assert all(r["routed"] > b for r, b in zip(replicas(cluster), served_before))
+    assert httpx.get(cluster.url + "/healthz").status_code == 200
