@@ -21,7 +21,8 @@ repeats, because timings on shared machines swing several-fold between runs.
   traffic as OpenClaw sends it (a ~3k-token system prompt with tools, the whole conversation
   re-sent each turn, ~300 tokens more per turn, 6 turns): time to first token of turns 2-6 with
   the engine's prefix cache over the same turns without it, sessions interleaved, and the memory
-  the cache held.
+  the cache held. With `--replicas N`: N Ray replicas against 1 and against no Ray
+  (bench_cluster.py).
 """
 
 from __future__ import annotations
@@ -48,7 +49,11 @@ PROMPTS = [
 
 
 async def run(which: str, config, args) -> None:
-    if which == "serve":
+    if which == "serve" and config.replicas:
+        from ocrl.bench_cluster import bench_replicas
+
+        await bench_replicas(config, args.repeats, args.max_tokens or 32)
+    elif which == "serve":
         await bench_serve(config, args.repeats, args.max_tokens or 32)
     elif which == "train":
         await bench_train(config, args.repeats, args.max_tokens or 32)

@@ -1,0 +1,97 @@
+"""`bench serve --replicas N`: the daemon with N engine replicas as Ray actors against the same
+daemon with 1 replica, and with the engine in its own process (no Ray), in one run, through the
+real HTTP API: throughput of a burst of concurrent requests (completion tokens per second of
+wall time), the median latency of one request alone, and the resident memory of each replica
+process (and of the daemon). Ray is started once here and shared by the three daemons.
+
+On a CPU box with few cores the replicas compete for the same cores, so expect little gain; the
+figure that matters is on a box with one GPU per replica.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import anyio
+import msgspec
+
+from ocrl.bench import PROMPTS
+
+
+async def measure(config, repeats: int, max_tokens: int, burst: int) -> dict:
+    import httpx
+
+    from ocrl.daemon import Daemon
+
+    daemon = Daemon(config)
+    await daemon.build()
+    url = f"http://{config.host}:{config.port}/v1/chat/completions"
+    headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
+
+    async def request(client, i: int) -> int:
+        body = {"model": "m", "messages": [{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}], "temperature": 0,
+                "max_tokens": max_tokens}
+        # a session per request: affinity must not pile the burst onto one replica
+        reply = await client.post(url, json=body, headers=headers | {"X-Session-Id": f"bench-{i}-{time.monotonic_ns()}"})
+        reply.raise_for_status()
+        return reply.json()["usage"]["completion_tokens"]
+
+    result: dict = {}
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(daemon.serve)
+        while daemon.server is None or not daemon.server.started:
+            await anyio.sleep(0.05)
+        async with httpx.AsyncClient(timeout=600) as client:
+            for i in range(2 * max(1, config.replicas)):
+                await request(client, i)  # warm-up, every replica
+            latency, rates = [], []
+            for r in range(repeats):
+                started = time.perf_counter()
+                await request(client, r)
+                latency.append(time.perf_counter() - started)
+                tokens = 0
+
+                async def one(i: int) -> None:
+                    nonlocal tokens
+                    n = await request(client, i)  # not `tokens += await ...`: that reads tokens before the await
+                    tokens += n
+
+                started = time.perf_counter()
+                async with anyio.create_task_group() as many:
+                    for i in range(burst):
+                        many.start_soon(one, i)
+                rates.append(tokens / (time.perf_counter() - started))
+        stats = daemon.stats()
+        result = {
+            "latency_s": statistics.median(latency),
+            "tokens_per_s": statistics.median(rates),
+            "daemon_rss_mb": stats["memory"]["rss_mb"],
+            "replica_rss_mb": [r["rss_mb"] for r in stats["engine"].get("replicas", [])],
+            "routed": [r["routed"] for r in stats["engine"].get("replicas", [])],
+        }
+        daemon.server.should_exit = True
+    return result
+
+
+async def bench_replicas(config, repeats: int, max_tokens: int) -> None:
+    from ocrl.cluster.router import connect
+
+    n = config.replicas
+    connect(config.ray_address)  # once, shared by the daemons below (each leaves it running)
+    import ray
+
+    burst = 8 * n
+    # single-turn requests: no votes, so no judge model to load
+    base = msgspec.structs.replace(config, no_train=True, prm_mode="generate", port=config.port if config.port != 30000 else 30999)
+    rows = {}
+    for label, replicas in (("in-process", 0), ("1 replica", 1), (f"{n} replicas", n)):
+        rows[label] = await measure(msgspec.structs.replace(base, replicas=replicas, port=base.port + replicas), repeats, max_tokens, burst)
+    ray.shutdown()
+    one = rows["1 replica"]
+    print(f"bench serve --replicas {n}: {config.model}{' ' + config.random_init if config.random_init else ''}, greedy, "
+          f"{max_tokens} tokens a request, bursts of {burst}, {repeats} repeats (medians)")
+    for label, row in rows.items():
+        print(f"  {label:<12} {row['tokens_per_s']:8.1f} tok/s ({row['tokens_per_s'] / one['tokens_per_s']:5.2f}x of 1 replica)  "
+              f"latency {row['latency_s'] * 1000:7.0f} ms ({row['latency_s'] / one['latency_s']:5.2f}x)  "
+              f"daemon {row['daemon_rss_mb']:.0f} MiB, replicas {row['replica_rss_mb']} MiB, routed {row['routed']}")
