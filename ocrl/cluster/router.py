@@ -145,6 +145,8 @@ class Cluster:
             max_batch_size=config.max_batch_size, agree_atol=verify_tolerance(loaded.model), owns_ray=owns_ray,
         )
         await cluster.check()
+        if not any(s.ready for s in slots):
+            raise EngineError("no engine replica came up: " + "; ".join(f"{s.index}: {s.last_error}" for s in slots))
         log.info("cluster: %d replicas ready (%s)", sum(s.ready for s in slots), ", ".join(s.status.get("device", "?") for s in slots))
         return cluster
 
@@ -308,6 +310,9 @@ class Cluster:
             return
         async with self._swap_lock:
             version = self.weights_version
+            if status["incarnation"] == slot.incarnation and slot.status.get("weights_version") == version:
+                slot.ready = True  # a swap that was under way when we looked has brought it up to date
+                return
             if self._trained_ref is None:
                 self._trained_ref = self.ray.put(dict(self.trained))
             try:
