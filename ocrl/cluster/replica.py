@@ -103,7 +103,7 @@ class Replica:
         return await self.engine.next_token_logprobs(prompt_ids)
 
     async def status(self) -> dict:
-        from ocrl.daemon import rss_mb
+        from ocrl.memory import rss_mb
 
         engine = self.engine
         return {

@@ -139,14 +139,19 @@ class Cluster:
         slots = [_Slot(i, actor.options(name=replica_name(config, i), **placement).remote(config, i)) for i in range(config.replicas)]
         from ocrl.train.trainer import verify_tolerance
 
-        first = await slots[0].handle.status.remote()
         cluster = cls(
-            ray, slots, name=first["name"], max_context=first["max_context"], device=model_device,
-            max_batch_size=config.max_batch_size, agree_atol=verify_tolerance(loaded.model), owns_ray=owns_ray,
+            ray, slots, name=loaded.name, max_context=0, device=model_device, max_batch_size=config.max_batch_size,
+            agree_atol=verify_tolerance(loaded.model), owns_ray=owns_ray,
         )
-        await cluster.check()
-        if not any(s.ready for s in slots):
-            raise EngineError("no engine replica came up: " + "; ".join(f"{s.index}: {s.last_error}" for s in slots))
+        try:
+            first = await slots[0].handle.status.remote()
+            cluster.name, cluster.max_context = first["name"], first["max_context"]
+            await cluster.check()
+            if not any(s.ready for s in slots):
+                raise EngineError("no engine replica came up: " + "; ".join(f"{s.index}: {s.last_error}" for s in slots))
+        except BaseException:
+            cluster.close()  # no named actors left behind to block the next start
+            raise
         log.info("cluster: %d replicas ready (%s)", sum(s.ready for s in slots), ", ".join(s.status.get("device", "?") for s in slots))
         return cluster
 
