@@ -10,6 +10,7 @@ One cluster and one daemon for the module: Ray and two replica processes take mo
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -49,6 +50,9 @@ def cluster(tmp_path_factory, scripted_judge):
     import torch
 
     torch.set_num_threads(1)
+    # Ray kills workers when the whole node nears full memory; on a box shared with other work
+    # that would be someone else's memory, not the replicas' (read by the raylet ray.init starts)
+    os.environ["RAY_memory_monitor_refresh_ms"] = "0"
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, namespace="ocrl")
     d = Daemon(
         tmp_path_factory.mktemp("cluster") / "run", "--random-init", "tiny", "--replicas", "2",
