@@ -25,7 +25,12 @@ async def test_soak_fails_nothing_grows_little_and_accounts_for_every_sample(tmp
     assert report.failures == []
     assert report.sessions >= SESSIONS and report.requests >= SESSIONS * 2
     warm, end = report.rss_growth()
-    assert warm > 0 and end <= warm * 1.10 + 64, f"RSS grew from {warm:.0f} MiB to {end:.0f} MiB"
+    # The prefix cache keeps finished sequences' KV on purpose, up to its bound: that is growth by
+    # design, reported in the stats; anything beyond it is not.
+    cache = stats["engine"]["prefix_cache"]
+    assert cache["bytes"] <= cache["max_bytes"]
+    kept = cache["bytes"] / 2**20
+    assert warm > 0 and end <= warm * 1.10 + 64 + kept, f"RSS grew from {warm:.0f} MiB to {end:.0f} MiB ({kept:.0f} MiB in the prefix cache)"
     accounting = soak.account(daemon.record_dir)
     assert accounting["main_turns"] == report.requests  # every request was a main turn
     assert accounting["missing"] == 0 and accounting["journaled_twice"] == 0
