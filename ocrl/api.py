@@ -111,6 +111,18 @@ def error_response(e: ApiError | guard.Refused) -> Response:
     return Response(_encoder.encode(body), status_code=e.status, media_type="application/json", headers=getattr(e, "headers", None))
 
 
+async def answered(what: str, serve, request: Request) -> Response:
+    """Every generating route's last word: an ApiError becomes its OpenAI-shaped answer, anything
+    else a logged 500 that takes nothing else down."""
+    try:
+        return await serve(request)
+    except ApiError as e:
+        return error_response(e)
+    except Exception:
+        log.exception("%s failed", what)
+        return error_response(ApiError(500, "internal error while serving the request", "server_error"))
+
+
 def storage_full(e: DiskFull) -> ApiError:
     """A main turn cannot be kept while the record dir is full: 503, come back later. Side turns
     and health keep answering."""
@@ -315,13 +327,7 @@ class Api:
         return json_response({"checkpoint": str(path) if path else None})
 
     async def chat_completions(self, request: Request) -> Response:
-        try:
-            return await self._chat_completions(request)
-        except ApiError as e:
-            return error_response(e)
-        except Exception:
-            log.exception("chat completion failed")
-            return error_response(ApiError(500, "internal error while serving the request", "server_error"))
+        return await answered("chat completion", self._chat_completions, request)
 
     async def _read_body(self, request: Request) -> bytes:
         limit = self.config.max_body_bytes

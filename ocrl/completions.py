@@ -28,7 +28,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from ocrl import guard
-from ocrl.api import ApiError, Prepared, StreamOptions, check_fields, error_response, json_response
+from ocrl.api import answered, ApiError, Prepared, StreamOptions, check_fields, json_response
 from ocrl.engine.base import EngineError
 from ocrl.streams import Accumulator, merged
 from ocrl.types import Message
@@ -67,13 +67,7 @@ class Completions:
         self.api = api
 
     async def create(self, http: Request) -> Response:
-        try:
-            return await self._create(http)
-        except ApiError as e:
-            return error_response(e)
-        except Exception:
-            log.exception("completion failed")
-            return error_response(ApiError(500, "internal error while serving the request", "server_error"))
+        return await answered("completion", self._create, http)
 
     async def _prompt_ids(self, prompt: str | list[Any]) -> list[int]:
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):

@@ -41,7 +41,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from ocrl import chat
-from ocrl.api import Api, ApiError, decode_request, error_response, json_response
+from ocrl.api import answered, Api, ApiError, decode_request, error_response, json_response
 from ocrl.engine.base import EngineError
 from ocrl.streams import Accumulator, merged
 
@@ -169,13 +169,7 @@ class Responses:
         self.store: OrderedDict[str, tuple[list[dict], dict]] = OrderedDict()  # id -> (conversation, response)
 
     async def create(self, http: Request) -> Response:
-        try:
-            return await self._create(http)
-        except ApiError as e:
-            return error_response(e)
-        except Exception:
-            log.exception("response failed")
-            return error_response(ApiError(500, "internal error while serving the request", "server_error"))
+        return await answered("response", self._create, http)
 
     async def retrieve(self, http: Request) -> Response:
         kept = self.store.get(http.path_params["response_id"])
