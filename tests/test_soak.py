@@ -13,7 +13,9 @@ SESSIONS, SECONDS = 100, 20
 
 
 async def test_soak_fails_nothing_grows_little_and_accounts_for_every_sample(tmp_path):
-    daemon = Daemon(tmp_path / "run", "--no-train", "--threads", "1", "--max-batch-size", "16").start()
+    # The prefix cache keeps KV on purpose (bounded, tested in test_prefix_cache.py) and its churn
+    # leaves freed memory in the allocator: off here, so that growth means a leak.
+    daemon = Daemon(tmp_path / "run", "--no-train", "--threads", "1", "--max-batch-size", "16", "--prefix-cache", "off").start()
     try:
         report = await soak.soak(daemon.url + "/v1", API_KEY, sessions=SESSIONS, seconds=SECONDS, max_tokens=2)
         with anyio.fail_after(120):  # the last verdicts
@@ -25,12 +27,7 @@ async def test_soak_fails_nothing_grows_little_and_accounts_for_every_sample(tmp
     assert report.failures == []
     assert report.sessions >= SESSIONS and report.requests >= SESSIONS * 2
     warm, end = report.rss_growth()
-    # The prefix cache keeps finished sequences' KV on purpose, up to its bound: that is growth by
-    # design, reported in the stats; anything beyond it is not.
-    cache = stats["engine"]["prefix_cache"]
-    assert cache["bytes"] <= cache["max_bytes"]
-    kept = cache["bytes"] / 2**20
-    assert warm > 0 and end <= warm * 1.10 + 64 + kept, f"RSS grew from {warm:.0f} MiB to {end:.0f} MiB ({kept:.0f} MiB in the prefix cache)"
+    assert warm > 0 and end <= warm * 1.10 + 64, f"RSS grew from {warm:.0f} MiB to {end:.0f} MiB"
     accounting = soak.account(daemon.record_dir)
     assert accounting["main_turns"] == report.requests  # every request was a main turn
     assert accounting["missing"] == 0 and accounting["journaled_twice"] == 0
