@@ -102,6 +102,7 @@ class ApiError(Exception):
 
 
 _encoder = msgspec.json.Encoder()
+DECODE_OFF_LOOP_ABOVE = 256 * 1024  # bytes of body past which JSON decoding leaves the event loop
 _request_decoder = msgspec.json.Decoder(ChatRequest)
 _AT = re.compile(r" - at `\$\.?([^`]*)`")
 
@@ -204,6 +205,8 @@ class Api:
         self.in_flight = 0
         self._token_chars: int | None = None
         self._render_limiter = anyio.CapacityLimiter(1)  # one prompt renders at a time: one core, one tokenizer
+        self._decode_limiter = anyio.CapacityLimiter(2)  # large bodies decode in at most 2 worker threads at once
+        self.decode_off_loop_above = DECODE_OFF_LOOP_ABOVE
         from ocrl.completions import Completions  # these build on this module
         from ocrl.responses import Responses
 
@@ -341,8 +344,17 @@ class Api:
                 raise ApiError(413, f"request body over {limit} bytes", code="request_too_large")
         return bytes(body)
 
+    async def decode(self, fn, raw: bytes):
+        """`fn(raw)` (JSON decoding and validation) in a worker thread when the body is large: a
+        multi-megabyte body takes tens of milliseconds to decode, which every other request on
+        the event loop (health checks, streams) would otherwise wait out. Small bodies decode
+        inline, where a thread hop would cost more than the decode."""
+        if len(raw) <= self.decode_off_loop_above:
+            return fn(raw)
+        return await anyio.to_thread.run_sync(fn, raw, limiter=self._decode_limiter)
+
     async def _chat_completions(self, http: Request) -> Response:
-        body = decode_request(await self._read_body(http))
+        body = await self.decode(decode_request, await self._read_body(http))
         prepared = await self.prepare(body, http)
         if body.stream:
             return StreamingResponse(

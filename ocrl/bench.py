@@ -27,6 +27,7 @@ repeats, because timings on shared machines swing several-fold between runs.
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 
@@ -193,6 +194,7 @@ def bare_step_fn(trainer, batch, lr: float):
 async def bench_refuse(config, repeats: int) -> None:
     import httpx
 
+    from ocrl.api import DECODE_OFF_LOOP_ABOVE
     from ocrl.daemon import Daemon
 
     config = msgspec.structs.replace(config, port=config.port if config.port != 30000 else 30997, no_train=True)
@@ -221,7 +223,9 @@ async def bench_refuse(config, repeats: int) -> None:
                 inner.start_soon(pings, done, idle)
                 await anyio.sleep(2.0)
                 done.set()
-            for mode in ("pre-check", "tokenised"):
+            for mode in ("decoded on loop", "pre-check", "tokenised"):
+                # "decoded on loop": the pre-check, but the JSON decoded on the event loop as before
+                daemon.api.decode_off_loop_above = math.inf if mode == "decoded on loop" else DECODE_OFF_LOOP_ABOVE
                 if mode == "tokenised":  # the pre-check off: every body reaches the tokenizer
                     daemon.api._token_chars = 10**9
                 latencies, walls, statuses = [], [], []
@@ -246,7 +250,7 @@ async def bench_refuse(config, repeats: int) -> None:
     print(f"bench refuse: four {len(huge) / 1e6:.1f} MB chat bodies at once, {repeats} repeats; /healthz idle median {idle_med * 1000:.1f} ms")
     for mode, (latencies, walls, statuses) in results.items():
         print(
-            f"  {mode:10s} healthz median {statistics.median(latencies) * 1000:7.1f} ms ({statistics.median(latencies) / idle_med:5.1f}x idle), "
+            f"  {mode:15s} healthz median {statistics.median(latencies) * 1000:7.1f} ms ({statistics.median(latencies) / idle_med:5.1f}x idle), "
             f"max {max(latencies) * 1000:7.1f} ms over {len(latencies)} pings; four refused in {statistics.median(walls):.2f} s (median); statuses {sorted(set(statuses))}"
         )
 

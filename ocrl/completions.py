@@ -87,7 +87,7 @@ class Completions:
         api = self.api
         # 1. receive
         try:
-            body = _decoder.decode(await api._read_body(http))
+            body = await api.decode(_decoder.decode, await api._read_body(http))
         except msgspec.ValidationError as e:
             raise ApiError(400, f"invalid request: {e}") from None
         except msgspec.DecodeError as e:

@@ -181,7 +181,7 @@ class Responses:
         # 1. receive: the Responses request, translated into the chat request it means
         raw = await self.api._read_body(http)
         try:
-            body = _decoder.decode(raw)
+            body = await self.api.decode(_decoder.decode, raw)
         except msgspec.ValidationError as e:
             raise ApiError(400, f"invalid request: {e}") from None
         except msgspec.DecodeError as e:
@@ -204,7 +204,7 @@ class Responses:
             "response_format": to_response_format(body.text),
             "session_id": body.session_id, "turn_type": body.turn_type, "session_done": body.session_done,
         }  # fmt: skip
-        request = decode_request(_encoder.encode({k: v for k, v in chat_body.items() if v is not None}))
+        request = await self.api.decode(decode_request, _encoder.encode({k: v for k, v in chat_body.items() if v is not None}))
         prepared = await self.api.prepare(request, http)
         shape = _Shape(self.api, body, request, prepared)
         headers = {"X-Session-Id": prepared.ticket.session_id}
