@@ -202,7 +202,7 @@ async def bench_engine(which: str, config, loaded, batches: list[int], max_token
     from ocrl import chat
     from ocrl.bench import bare_step_fn
     from ocrl.engine.select import build_engine
-    from ocrl.train.trainer import Trainer, verify_tolerance
+    from ocrl.train.trainer import Trainer, verify_relative, verify_tolerance
 
     kind, _, sync = which.partition("-")  # "sglang-lora": engine sglang, --weight-sync lora
     engine = await build_engine(msgspec.structs.replace(config, engine=kind, weight_sync=sync or "full"), loaded)
@@ -248,7 +248,7 @@ async def bench_engine(which: str, config, loaded, batches: list[int], max_token
                                     response_length=n, loss_mask=[1] * n, rollout_logprobs=c.logprobs,
                                     reward=1.0 if i % 2 else -1.0, weights_version=0, score=1))  # fmt: skip
         trainer = await anyio.to_thread.run_sync(
-            lambda: Trainer(config, loaded.model, engine=engine, device=device, verify_atol=verify_tolerance(loaded.model))
+            lambda: Trainer(config, loaded.model, engine=engine, device=device, verify_atol=verify_tolerance(loaded.model), verify_rtol=verify_relative(loaded.model))
         )
         if getattr(engine, "accepts_adapters", False):
             await trainer.publish()  # serve through the (initial) adapter, as the daemon would after a step

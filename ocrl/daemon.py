@@ -169,12 +169,12 @@ class Daemon:
             clients=ClientRules.from_config(config),
         )
         if not config.no_train:
-            from ocrl.train.trainer import Trainer, train_device, verify_tolerance
+            from ocrl.train.trainer import Trainer, train_device, verify_relative, verify_tolerance
 
             self.trainer = await anyio.to_thread.run_sync(
                 lambda: Trainer(
                     config, loaded.model, engine=self.engine, records=self.records, events=self.events,
-                    device=train_device(loaded.model), verify_atol=verify_tolerance(loaded.model),
+                    device=train_device(loaded.model), verify_atol=verify_tolerance(loaded.model), verify_rtol=verify_relative(loaded.model),
                 )
             )
             if config.resume:

@@ -95,9 +95,12 @@ async def samples(engine, loaded, n: int):
 
 
 def trainer_for(engine, loaded, config):
-    from ocrl.train.trainer import Trainer
+    from ocrl.train.trainer import Trainer, verify_relative, verify_tolerance
 
-    return Trainer(config, loaded.model, engine=engine, device=DEVICE, verify_atol=atol(loaded), yield_to=None)
+    # the daemon's probe bounds: the fp32 trainer vs a bf16 engine differ by a few bf16 units of
+    # each log-prob's own size (0.13-0.28 at |lp| ~12 on an H200), so the bound is relative
+    model = loaded.model
+    return Trainer(config, model, engine=engine, device=DEVICE, verify_atol=verify_tolerance(model), verify_rtol=verify_relative(model), yield_to=None)
 
 
 @pytest.mark.parametrize("which", engines())
@@ -139,7 +142,7 @@ async def test_each_trainer_swap_is_verified_and_moves_the_served_policy(which, 
         before = torch.tensor(await engine.score(probe_prompt, probe_response))
         row = await trainer.step(batch)
         after = torch.tensor(await engine.score(probe_prompt, probe_response))
-        assert row["verified"] == 1.0 and row["probe_diff"] < atol(loaded)
+        assert row["verified"] == 1.0  # within the per-token bound (trainer.verify_relative)
         assert engine.weights_version == trainer.version == 1
         # the swap moved the served log-probs by more than the verification tolerance
         assert (after - before).abs().max().item() > atol(loaded)

@@ -653,3 +653,25 @@ def test_the_daemon_queues_mask_0_samples_only_when_they_count(base, tmp_path, m
     daemon.submit(sample)
     assert daemon.queued == int(queued)
     assert [c.id for c in daemon.records.consumed_rows()] == ([] if queued else [sample.sample_id])
+
+
+@pytest.mark.parametrize("rtol, error, verified", [(0.0, 0.03, False), (2**-4, 0.03, True), (2**-4, 0.09, False)])
+async def test_the_probe_tolerance_grows_with_each_log_probs_size(base, rtol, error, verified):
+    """A 16-bit engine's gap to the fp32 trainer grows with |log-prob| (trainer.verify_relative):
+    a served log-prob off by 3% of itself verifies under 8 bf16 units (6.25%) but not under the
+    flat bound alone, and 9% fails both: the check still catches a swap that is really off."""
+    from ocrl.train.trainer import verify_relative
+
+    assert verify_relative(base) == 0.0
+    assert verify_relative(copy.deepcopy(base).to(torch.bfloat16)) == 8 * 2**-7
+    engine = make_engine(base)
+    true_score = engine.score
+
+    async def off_score(prompt_ids, response_ids):  # every served log-prob off by `error` of itself
+        return [lp * (1 + error) for lp in await true_score(prompt_ids, response_ids)]
+
+    engine.score = off_score
+    trainer = Trainer(make_config(), base, engine=engine, verify_atol=1e-3, verify_rtol=rtol)
+    row = await trainer.step(make_samples(base, 2))
+    assert row["verified"] == (1.0 if verified else 0.0)
+    assert row["probe_diff"] > 1e-3  # the flat bound alone is exceeded in every case

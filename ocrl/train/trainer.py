@@ -158,6 +158,23 @@ def verify_tolerance(model) -> float:
     return 1e-3 if next(model.parameters()).dtype == torch.float32 else 0.25
 
 
+PROBE_ULPS = 8  # how many units of the engine dtype's precision a probe log-prob may be off by
+
+
+def verify_relative(model) -> float:
+    """The probe's tolerance relative to each log-prob's own size, for a 16-bit engine: 8 units
+    of its precision (bf16 keeps 8 significant bits, so eps = 2^-7 and 8 eps = 6.25%; fp16 eps
+    2^-10). A served log-prob is a logit minus a log-sum-exp, both about as large as the
+    log-prob itself (ln of the vocabulary, ~12, on a near-uniform random model), each rounded
+    through every layer, so the engine-vs-fp32-trainer gap grows with |log-prob|, not as a fixed
+    number: on an H200, bf16 qwen3 probes at |lp| ~12 differed by 0.13-0.28, i.e. 2-4.5 units
+    of bf16 at that size (spacing 2^-4 between 8 and 16), which a flat 0.25 sat right on. A
+    swap that did not land, or landed garbage, moves log-probs by whole nats, far past 8 units.
+    fp32 engines: 0 (their flat 1e-3 already sits ~1000x above the observed 1e-6)."""
+    dtype = next(model.parameters()).dtype
+    return 0.0 if dtype == torch.float32 else PROBE_ULPS * torch.finfo(dtype).eps
+
+
 def _proceed() -> None:
     pass
 
@@ -297,6 +314,7 @@ class Trainer:
         events=None,
         device: str | torch.device = "cpu",
         verify_atol: float = 1e-3,
+        verify_rtol: float = 0.0,
         yield_to: Callable[[], bool] | None = _ENGINE,  # type: ignore[assignment]
     ):
         self.config = config
@@ -307,6 +325,7 @@ class Trainer:
         self.events = events if events is not None else _NoEvents()
         self.device = torch.device(device)
         self.verify_atol = verify_atol  # fp32 engines agree to ~1e-6; a bf16 engine needs more
+        self.verify_rtol = verify_rtol  # and a 16-bit one's gap grows with |log-prob| (verify_relative)
         self.lora = config.lora_rank > 0 and not config.full_finetune
         self.model, self.reference = self._build(model)
         # the reference never changes: its KV for a session's earlier turn serves the next turn
@@ -775,15 +794,19 @@ class Trainer:
             return 0.0, False, math.inf
         self.version = version
         probe_diff = math.nan
+        over = True
         if self.probe is not None and probe_logprobs is not None:
             try:
                 served = torch.tensor(await self.engine.score(*split_prompt(self.probe)), dtype=torch.float32)
                 same = served.shape == probe_logprobs.shape
                 probe_diff = (served - probe_logprobs).abs().max().item() if same else math.inf
+                if same and probe_diff < math.inf:  # per token: the larger of the flat and the relative bound
+                    limits = torch.clamp(self.verify_rtol * probe_logprobs.abs(), min=self.verify_atol)
+                    over = bool(((served - probe_logprobs).abs() >= limits).any())
             except Exception:
                 log.exception("scoring the probe of version %d failed", version)
                 probe_diff = math.inf
-        verified = probe_diff < self.verify_atol  # False when nothing was probed (nan)
+        verified = probe_diff < math.inf and not over  # False when nothing was probed (nan) or scoring failed
         if probe_logprobs is not None and not verified:
             log.warning("swap to version %d did not verify: probe differs by %.3g", version, probe_diff)
             self.events.log("warning", f"weights version {version}: served log-probs differ by {probe_diff:.3g}")
