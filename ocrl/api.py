@@ -375,7 +375,9 @@ class Api:
         if len(body.messages) > self.config.max_messages:
             raise ApiError(400, f"at most {self.config.max_messages} messages", param="messages")
         messages = chat.normalise([msgspec.to_builtins(m) for m in body.messages])
-        tools = body.tools or None
+        # tool_choice "none" (OpenAI: the model does not call tools; the reply is plain text): the
+        # tools are neither written into the prompt nor parsed out of the reply
+        tools = None if body.tool_choice == "none" else (body.tools or None)
         prompt_ids = await self.render(messages, tools)
         params = self._sampling(body, self._room(prompt_ids, "messages"))
         constraint = self._constraint(body)

@@ -137,3 +137,22 @@ async def test_a_character_cut_by_the_token_limit_is_not_emitted(daemon):
     assert cut.choices[0].message.content == ""  # ...but its partial character is not text
     assert "\ufffd" not in "".join(streamed)
     assert whole.choices[0].message.content and "\ufffd" not in whole.choices[0].message.content
+
+
+async def test_tool_choice_none_answers_plain_text_without_the_tools(daemon):
+    # OpenAI's "none": the model does not call tools. The tools are not offered to the model
+    # (the prompt is the one without them) and nothing in the reply is parsed as a call.
+    messages = [{"role": "user", "content": "Is it raining in Lisbon right now?"}]
+    async with daemon.client() as client:
+        bare = await client.chat.completions.create(model="m", messages=messages, temperature=0, max_tokens=20)
+        offered = await client.chat.completions.create(
+            model="m", messages=messages, tools=[WEATHER_TOOL], temperature=0, max_tokens=20
+        )
+        none = await client.chat.completions.create(
+            model="m", messages=messages, tools=[WEATHER_TOOL], tool_choice="none", temperature=0, max_tokens=20
+        )
+    assert offered.usage.prompt_tokens > bare.usage.prompt_tokens  # the tools are in an "auto" prompt
+    assert none.usage.prompt_tokens == bare.usage.prompt_tokens
+    choice = none.choices[0]
+    assert choice.message.tool_calls is None and isinstance(choice.message.content, str)
+    assert choice.finish_reason in ("stop", "length")
