@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import random
 import re
+import threading
 from pathlib import Path
 
 import anyio
@@ -296,3 +297,45 @@ async def test_a_grammar_row_joining_a_running_batch_leaves_it_as_it_was():
     assert results["free"] == solo_free.response_ids
     assert results["bound"].response_ids == solo_bound.response_ids
     assert re.fullmatch("b(cd|ef)*(c|e|g)?", results["bound"].text)
+
+
+async def test_compiled_grammars_are_cached_and_reused():
+    engine = spelled_engine()
+    await engine.prepare(WORD)
+    first = engine.grammars.compile(WORD)
+    await engine.prepare(Grammar(regex=WORD.regex, source="other"))  # keyed by the grammar's text
+    assert engine.grammars.compile(WORD) is first
+    for k in range(grammar._MAX_CACHED + 1):  # bounded: the least recently used goes first
+        await engine.prepare(Grammar(regex=f"a{{{k + 1}}}", source="test"))
+    assert engine.grammars.compile(WORD) is not first
+
+
+async def test_a_grammar_compiling_past_the_limit_is_refused_while_the_loop_serves(monkeypatch):
+    from ocrl.engine import hf
+
+    engine = spelled_engine()
+    release = threading.Event()
+    real = engine.grammars.compile
+
+    def slow(g):
+        release.wait(10)
+        return real(g)
+
+    monkeypatch.setattr(engine.grammars, "compile", slow)
+    monkeypatch.setattr(hf, "COMPILE_SECONDS", 0.3)
+    ticks = 0
+
+    async def ticking():
+        nonlocal ticks
+        while True:
+            await anyio.sleep(0.01)
+            ticks += 1
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(ticking)
+        with pytest.raises(grammar.GrammarError, match="took longer than 0.3 s") as refused:
+            await engine.prepare(Grammar(regex="b+", source="json_schema"))
+        tg.cancel_scope.cancel()
+    release.set()
+    assert refused.value.param == "response_format"
+    assert ticks > 5  # the event loop kept running while the worker thread compiled

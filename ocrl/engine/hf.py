@@ -36,8 +36,10 @@ import torch
 from ocrl.engine import prefix_cache
 from ocrl.engine.base import GREEDY_BELOW, EngineBusy, EngineError, Final, collect, find_stop, finished_end, ready_end
 from ocrl.faults import crash_point
-from ocrl.grammar import Grammars, Matcher
+from ocrl.grammar import GrammarError, Grammars, Matcher
 from ocrl.types import Completion, FinishReason, Grammar, SamplingParams, TokenChunk, TopLogprob
+
+COMPILE_SECONDS = 10.0  # a grammar not compiled within this is refused (400), not waited for
 
 log = logging.getLogger("ocrl.engine")
 
@@ -120,8 +122,14 @@ class HFEngine:
         return await collect(self.stream(prompt_ids, params), prompt_ids)
 
     async def prepare(self, grammar: Grammar) -> None:
-        """Compiles a grammar ahead of its request (GrammarError if it cannot be enforced)."""
-        await anyio.to_thread.run_sync(self.grammars.compile, grammar)
+        """Compiles a grammar ahead of its request, in a worker thread (the event loop keeps
+        serving), within COMPILE_SECONDS: GrammarError if it cannot be enforced or takes longer.
+        A thread cannot be stopped, so one past the limit is left to finish (its result is cached)."""
+        with anyio.move_on_after(COMPILE_SECONDS) as scope:
+            await anyio.to_thread.run_sync(self.grammars.compile, grammar, abandon_on_cancel=True)
+        if scope.cancelled_caught:
+            raise GrammarError(f"{grammar.source}: compiling the grammar took longer than {COMPILE_SECONDS:g} s; simplify the schema",
+                               "tool_choice" if grammar.source.startswith("tool_choice") else "response_format")
 
     async def score(self, prompt_ids: list[int], response_ids: list[int]) -> list[float]:
         """Teacher-forced log-probs of response_ids after prompt_ids under the served weights."""
