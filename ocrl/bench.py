@@ -173,13 +173,13 @@ def bare_step_fn(trainer, batch, lr: float):
     batch and the same (LoRA) model, one torch forward + backward + AdamW step, no extras."""
     import torch
 
+    from ocrl.train.batch import MicroBatch
     from ocrl.train.loss import token_logprobs
-    from ocrl.train.trainer import _MicroBatch
 
     optimizer = torch.optim.AdamW(trainer.params, lr=lr)
 
     def bare_step() -> None:
-        micro = _MicroBatch.of(batch, trainer.device)
+        micro = MicroBatch.of(batch, trainer.device)
         out = trainer.model(input_ids=micro.input_ids, attention_mask=micro.attention_mask, position_ids=micro.position_ids,
                             use_cache=False, logits_to_keep=micro.targets.shape[1] + 1)
         logprobs = token_logprobs(out.logits[:, :-1], micro.targets)
@@ -261,7 +261,8 @@ async def bench_train(config, repeats: int, max_tokens: int) -> None:
     from ocrl import models
     from ocrl.daemon import set_threads
     from ocrl.engine.hf import HFEngine
-    from ocrl.train.trainer import Trainer, pack
+    from ocrl.train.batch import pack
+    from ocrl.train.trainer import Trainer
     from ocrl.types import Sample
 
     set_threads(config)  # as the daemon does: decode and training share the cores

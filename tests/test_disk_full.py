@@ -252,7 +252,8 @@ async def test_a_checkpoint_that_hits_a_full_disk_leaves_no_staging_and_the_prev
     from test_trainer import make_config, make_engine, make_samples
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from ocrl.train.trainer import Trainer, checkpoints
+    from ocrl.train.checkpoint import checkpoints
+    from ocrl.train.trainer import Trainer
 
     model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                                          num_key_value_heads=2, intermediate_size=64, max_position_embeddings=128)).eval()
@@ -264,7 +265,7 @@ async def test_a_checkpoint_that_hits_a_full_disk_leaves_no_staging_and_the_prev
     def full(obj, path):  # the optimizer state does not fit (before: the error escaped, the staging dir stayed)
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr("ocrl.train.trainer._save_private", full)
+    monkeypatch.setattr("ocrl.train.checkpoint._save_private", full)
     assert await trainer.save_checkpoint() is None
     assert checkpoints(tmp_path / "checkpoints") == [first]
     assert not list((tmp_path / "checkpoints").glob(".step-*"))

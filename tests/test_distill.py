@@ -12,7 +12,8 @@ import torch
 
 from ocrl import chat, prm
 from ocrl.sessions import Distill, Sessions
-from ocrl.train.trainer import Trainer, teacher_view
+from ocrl.train.batch import teacher_view
+from ocrl.train.trainer import Trainer
 from ocrl.types import Completion, Hint, Message, Sample, Verdict, Vote
 
 from test_trainer import base, make_config, make_engine, make_samples, teacher_forced  # noqa: F401 (fixture)

@@ -95,7 +95,8 @@ async def samples(engine, loaded, n: int):
 
 
 def trainer_for(engine, loaded, config):
-    from ocrl.train.trainer import Trainer, verify_relative, verify_tolerance
+    from ocrl.train.policy import verify_relative, verify_tolerance
+    from ocrl.train.trainer import Trainer
 
     # the daemon's probe bounds: the fp32 trainer vs a bf16 engine differ by a few bf16 units of
     # each log-prob's own size (0.13-0.28 at |lp| ~12 on an H200), so the bound is relative

@@ -782,7 +782,8 @@ async def test_the_trainer_publishes_its_adapter_to_an_engine_that_accepts_adapt
     from peft import get_peft_model_state_dict
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from ocrl.train.trainer import ADAPTER, Trainer
+    from ocrl.train.policy import ADAPTER
+    from ocrl.train.trainer import Trainer
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=V, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,

@@ -22,7 +22,10 @@ from ocrl.config import Config
 from ocrl.engine.hf import HFEngine
 from ocrl.events import Events
 from ocrl.records import Records
-from ocrl.train.trainer import METRIC_KEYS, Trainer, _Pending, checkpoints, pack, sample_problem
+from ocrl.train.batch import pack, sample_problem
+from ocrl.train.checkpoint import checkpoints
+from ocrl.train.metrics import METRIC_KEYS
+from ocrl.train.trainer import Trainer, _Pending
 from ocrl.types import Progress, Sample, TrainStep, WeightsSwapped
 
 LORA_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -551,7 +554,7 @@ async def test_a_step_gives_way_between_layers_in_the_backward(base):
 
 def test_trainer_follows_the_served_model_device_and_dtype(base):
     """The daemon trains where the served model sits, with a probe tolerance for its dtype."""
-    from ocrl.train.trainer import train_device, verify_tolerance
+    from ocrl.train.policy import train_device, verify_tolerance
 
     assert train_device(base) == torch.device("cpu")
     assert verify_tolerance(base) == 1e-3
@@ -660,7 +663,7 @@ async def test_the_probe_tolerance_grows_with_each_log_probs_size(base, rtol, er
     """A 16-bit engine's gap to the fp32 trainer grows with |log-prob| (trainer.verify_relative):
     a served log-prob off by 3% of itself verifies under 8 bf16 units (6.25%) but not under the
     flat bound alone, and 9% fails both: the check still catches a swap that is really off."""
-    from ocrl.train.trainer import verify_relative
+    from ocrl.train.policy import verify_relative
 
     assert verify_relative(base) == 0.0
     assert verify_relative(copy.deepcopy(base).to(torch.bfloat16)) == 8 * 2**-7

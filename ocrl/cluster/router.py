@@ -137,7 +137,7 @@ class Cluster:
         )
         # named, so an operator (or a test) can find one: ray.get_actor(name, namespace=...)
         slots = [_Slot(i, actor.options(name=replica_name(config, i), **placement).remote(config, i)) for i in range(config.replicas)]
-        from ocrl.train.trainer import verify_tolerance
+        from ocrl.train.policy import verify_tolerance
 
         cluster = cls(
             ray, slots, name=loaded.name, max_context=0, device=model_device, max_batch_size=config.max_batch_size,

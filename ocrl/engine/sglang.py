@@ -203,7 +203,7 @@ class SGLangEngine:
             kwargs["context_length"] = config.context_length
         lora_config = None
         if lora_rank > 0:
-            from ocrl.train.trainer import LORA_TARGETS
+            from ocrl.loaded import LORA_TARGETS
 
             kwargs |= dict(enable_lora=True, max_lora_rank=lora_rank, lora_target_modules=list(LORA_TARGETS), max_loras_per_batch=2)
             lora_config = {"r": lora_rank, "lora_alpha": config.lora_alpha, "target_modules": list(LORA_TARGETS),

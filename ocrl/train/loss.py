@@ -9,7 +9,15 @@ Formulas (DESIGN.md, "The method"), with rho_t = pi_theta(a_t|s_t) / pi_old(a_t|
     A_t   = r                                                 (GRPO advantage, every token)
     L_pg  = -E[ min(rho_t A_t, clip(rho_t, 1 - eps, 1 + eps_high) A_t) ]      (PPO-clip)
     k3_t  = exp(ref_t - logp_t) - (ref_t - logp_t) - 1       (Schulman's low-variance KL)
-    L     = L_pg + kl_coef * E[k3] - entropy_coef * E[H]
+    L     = L_pg + kl_coef * E[k3] - entropy_coef * E[H] + distill_coef * E_d[KL_K]
+
+Advantages per method (`method_advantages`), with hints in the teacher's prompt:
+    rl      A_t = r
+    opd     A_t = log pi_teacher(a_t | s + hint) - log pi_old(a_t | s)   (distilled samples only)
+    combine A_t = w_rl * r + w_opd * (teacher - old)
+With top-K distillation the teacher term leaves the advantage and becomes KL_K, the reverse KL
+to the teacher over its K most likely tokens plus a tail bin; E_d[.] is the mean over the
+distilled samples, weighted by their share of the batch.
 
 Where ocrl departs from textbook PPO / GRPO:
 - no value function and no GAE: the reward of a turn is its advantage on every token;
@@ -24,6 +32,8 @@ log-probs are inf or nan: they are replaced with torch.where *before* any exp, b
 a multiplication by zero would turn an inf gradient into nan. Diagnostics (clip_frac,
 ratio_*, mismatch) are flat means over masked-in tokens and are detached floats.
 """
+
+from dataclasses import dataclass
 
 import torch
 
@@ -68,6 +78,32 @@ def combined_advantages(
     rl = grpo_advantages(rewards, loss_mask)  # (B, T)
     opd = opd_advantages(teacher_logprobs, old_logprobs, loss_mask) * has_hint.float().unsqueeze(-1)  # (B, T)
     return w_rl * rl + w_opd * opd
+
+
+def method_advantages(
+    method: str,
+    rewards: torch.Tensor,
+    loss_mask: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    teacher_logprobs: torch.Tensor | None,
+    distilled: torch.Tensor | None,
+    *,
+    w_rl: float = 1.0,
+    w_opd: float = 1.0,
+    topk: bool = False,
+) -> torch.Tensor:
+    """A_t by method: rl r; opd teacher - old; combine w_rl r + w_opd (teacher - old), the
+    teacher term only on the `distilled` samples (B,). With `topk` the teacher term leaves the
+    advantage for the top-K term of `policy_loss` (what is left: w_rl r for combine, 0 for opd)."""
+    rl = grpo_advantages(rewards, loss_mask)  # (B, T)
+    if method == "rl":
+        return rl
+    w_rl = w_rl if method == "combine" else 0.0
+    if topk:
+        return w_rl * rl
+    if method == "opd":
+        return opd_advantages(teacher_logprobs, old_logprobs, loss_mask) * distilled.float().unsqueeze(-1)
+    return combined_advantages(rewards, teacher_logprobs, old_logprobs, loss_mask, distilled, w_rl=w_rl, w_opd=w_opd)
 
 
 def topk_reverse_kl(
@@ -115,6 +151,18 @@ def _token_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
     return (torch.where(mask, x, 0.0).sum() / mask.sum().clamp(min=1)).item()
 
 
+@dataclass
+class TopKTeacher:
+    """What the top-K distillation term reads: the student's whole log-softmax and the teacher's
+    K most likely tokens, on the rows (`distilled`) whose turn got a hint."""
+
+    student_logprobs: torch.Tensor  # (B, T, V) the policy's log-softmax, with gradient
+    teacher_ids: torch.Tensor  # (B, T, K)
+    teacher_logprobs: torch.Tensor  # (B, T, K)
+    distilled: torch.Tensor  # (B,) bool
+    coef: float = 1.0  # w_opd for combine, 1 for opd
+
+
 def policy_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
@@ -128,11 +176,15 @@ def policy_loss(
     entropy: torch.Tensor | None = None,
     entropy_coef: float = 0.0,
     rollout_logprobs: torch.Tensor | None = None,
+    topk: TopKTeacher | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Clipped policy-gradient loss + k3 KL - entropy bonus, and detached diagnostics.
+    """Clipped policy-gradient loss + k3 KL - entropy bonus + top-K distillation, and detached
+    diagnostics.
 
-    All tensors are (B, T). Only `logprobs` (and `entropy`) carry gradient; the old,
-    reference and rollout log-probs and the advantages are treated as constants.
+    All tensors are (B, T). Only `logprobs` (and `entropy`, and the student's log-softmax in
+    `topk`) carry gradient; the old, reference, rollout and teacher log-probs and the advantages
+    are treated as constants. The top-K term is a mean over the distilled samples (`distill_kl`,
+    reported when there is one), weighted by their share of the B samples.
     """
     mask = loss_mask.bool()  # (B, T)
     advantages = torch.where(mask, advantages.detach().float(), 0.0)  # (B, T)
@@ -159,6 +211,13 @@ def policy_loss(
         mean_entropy = masked_mean_per_sample_then_batch(entropy, mask)  # ()
         loss = loss - entropy_coef * mean_entropy
         metrics["entropy"] = mean_entropy.item()
+
+    if topk is not None and (taught_rows := int(topk.distilled.sum())):
+        taught = mask & topk.distilled.unsqueeze(-1)  # (B, T)
+        kl_k = topk_reverse_kl(topk.student_logprobs, topk.teacher_ids, topk.teacher_logprobs.detach(), taught)  # (B, T)
+        distill_kl = masked_mean_per_sample_then_batch(kl_k, taught)  # () mean over the distilled samples
+        loss = loss + topk.coef * distill_kl * (taught_rows / mask.shape[0])
+        metrics["distill_kl"] = distill_kl.item()
 
     with torch.no_grad():
         metrics |= {
