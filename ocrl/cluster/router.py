@@ -110,6 +110,7 @@ class Cluster:
         self.agree_atol = agree_atol
         self.owns_ray = owns_ray
         self.weights_version = 0
+        self.accepts_adapters = False  # replicas take merged weights
         self.trained: dict[str, torch.Tensor] = {}  # every tensor trained since version 0, newest value
         self._trained_ref = None  # the same, in the object store (put once per version)
         self.affinity = AffinityIndex()

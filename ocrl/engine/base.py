@@ -8,7 +8,7 @@ by exactly one weights version, reported on its last chunk.
 
 from __future__ import annotations
 
-from typing import AsyncIterator, Protocol
+from typing import Any, AsyncIterator, Protocol, runtime_checkable
 
 from ocrl.types import Completion, FinishReason, Grammar, SamplingParams, TokenChunk, TopLogprob
 
@@ -72,10 +72,21 @@ class Final(TokenChunk, kw_only=True):
     cached_tokens: int = 0
 
 
+@runtime_checkable
 class Engine(Protocol):
+    """Everything the daemon, the API, the trainer and the benchmarks use on an engine: the HF
+    engine, the SGLang engine and the cluster of replicas all provide it (tests/test_seams.py)."""
+
     name: str
-    weights_version: int
-    max_context: int
+    weights_version: int  # the version new requests are served with
+    max_context: int  # prompt + completion tokens
+    device: Any  # torch.device the weights sit on
+    active: int  # requests decoding now
+    generated_tokens: int  # since start
+    accepts_adapters: bool  # update_weights takes a LoRA adapter (--weight-sync lora), not merged weights
+
+    @property
+    def queue_depth(self) -> int: ...
 
     def stream(self, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[TokenChunk]: ...
 
@@ -88,6 +99,12 @@ class Engine(Protocol):
     async def update_weights(self, named_tensors: dict, version: int) -> float: ...
 
     async def score(self, prompt_ids: list[int], response_ids: list[int]) -> list[float]: ...
+
+    async def next_token_logprobs(self, prompt_ids: list[int]) -> Any:
+        """Log-probs (V,) of the token after `prompt_ids` (the judges read them)."""
+
+    async def run(self) -> None:
+        """The scheduler loop; returns when cancelled."""
 
 
 async def collect(stream: AsyncIterator[TokenChunk], prompt_ids: list[int]) -> Completion:

@@ -76,6 +76,7 @@ class HFEngine:
         trained_for = int(getattr(self.model.config, "max_position_embeddings", 2048))
         self.max_context = min(max_context, trained_for) if max_context > 0 else trained_for
         self.weights_version = 0
+        self.accepts_adapters = False  # swaps take merged weights
         eos = self.model.generation_config.eos_token_id
         eos = eos if isinstance(eos, list) else [eos]
         self.eos_ids = {i for i in eos + [self.tokenizer.eos_token_id] if i is not None}
