@@ -339,3 +339,16 @@ async def test_a_grammar_compiling_past_the_limit_is_refused_while_the_loop_serv
     release.set()
     assert refused.value.param == "response_format"
     assert ticks > 5  # the event loop kept running while the worker thread compiled
+
+
+def test_every_tool_of_openclaws_full_profile_can_be_forced():
+    # The tools of a real request (OpenClaw 2026.9.6, tools.profile "full", captured from its CLI):
+    # each one forced by name, and all of them under "required", give a grammar.
+    captured = json.loads((Path(__file__).parent / "data" / "openclaw" / "tools_full_profile.json").read_text())
+    tools = captured["tools"]
+    assert {"read", "exec", "edit", "write", "process"} <= {t["function"]["name"] for t in tools}
+    for tool in tools:
+        name = tool["function"]["name"]
+        forced = grammar.from_request(None, tools, {"type": "function", "function": {"name": name}})
+        assert forced.source == f"tool_choice:{name}"
+    assert grammar.from_request(None, tools, "required").source == "tool_choice:required"
