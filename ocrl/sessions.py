@@ -203,6 +203,13 @@ class Sessions:
             session_id = session_id or "s-" + uuid.uuid4().hex[:16]
         session = self._session(session_id)
         session.last_seen = time.monotonic()
+        if turn_type == "main" and session.turns and session.turns[-1].state == "open" and self._repeats(session.turns[-1], messages):
+            # The same request as the open turn's, not a continuation of it: its reply never
+            # reached the client (timed out or disconnected after it was generated) and this is
+            # the retry (or a regenerate). The retry takes the turn's place and index; the
+            # unseen reply has no next state and is never a sample (restore keeps the later).
+            session.turns.pop()
+            self.counters["replaced_turns"] += 1
         if turn_type == "main" and session.turns and session.turns[-1].state == "open":
             if session.turns[-1].candidates:
                 self._choose(session, session.turns[-1], messages)
@@ -218,6 +225,11 @@ class Sessions:
                 self.counters["superseded_turns"] += 1
             session.in_flight[ticket.key] = ticket
         return ticket
+
+    @staticmethod
+    def _repeats(main_turn: _MainTurn, messages: list[Message]) -> bool:
+        kept = main_turn.turn.messages
+        return bool(kept) and len(kept) == len(messages) and prefix_key(kept) == prefix_key(messages)
 
     def _done(self, ticket: Ticket) -> None:
         session = self.sessions.get(ticket.session_id)

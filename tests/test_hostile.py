@@ -184,6 +184,33 @@ def test_a_retry_of_an_in_flight_turn_replaces_it():
     assert sessions.complete(other, done("x")).turn_type == "main" and sessions.complete(second, done("y")).index == 1
 
 
+async def test_a_retried_turn_whose_reply_was_lost_is_one_main_turn(daemon):
+    """The first request finished, but its reply never reached the client (it timed out), which
+    sends the same turn again (the real openai client): the retry takes the finished turn's place
+    (same index), the next request closes that one turn, and no turn is left without a next
+    state. Before: the retry closed turn 0 with its own user message as the next state and
+    became turn 1, so one exchange was judged twice, once against a bogus next state."""
+    import uuid
+
+    client = daemon.client()
+    sid = "retry-" + uuid.uuid4().hex[:8]
+    messages = [{"role": "user", "content": "Name a colour."}]
+    ask = dict(model="m", max_tokens=4, temperature=0, extra_headers={"X-Session-Id": sid})
+    before = daemon.stats()["sessions"].get("replaced_turns", 0)
+    await client.chat.completions.create(messages=messages, **ask)  # its reply is "lost"
+    retry = await client.chat.completions.create(messages=messages, **ask)
+    follow_up = messages + [{"role": "assistant", "content": retry.choices[0].message.content}, {"role": "user", "content": "Another."}]
+    await client.chat.completions.create(messages=follow_up, **ask)
+    assert daemon.stats()["sessions"]["replaced_turns"] == before + 1
+
+    def rows(name):
+        return [json.loads(line) for f in daemon.record_dir.rglob(name) for line in f.read_text().splitlines() if line.strip()]
+
+    assert [r["index"] for r in rows("turns.jsonl") if r["session_id"] == sid and r["turn_type"] == "main"] == [0, 0, 1]
+    closed = [r for r in rows("next_states.jsonl") if r["sample_id"].startswith(sid + ":")]
+    assert [(r["sample_id"].rsplit(":", 1)[1], r["message"]["content"]) for r in closed] == [("0", "Another.")]
+
+
 def test_a_non_streaming_request_whose_client_left_stops_generating(daemon):
     before = _counters(daemon)
     body = {"messages": [{"role": "user", "content": "Count from 1 to 500, separated by commas."}], "max_tokens": 400, "temperature": 0, "turn_type": "side"}
