@@ -48,9 +48,12 @@ def test_units_are_the_whole_message_its_first_and_its_last_sentence():
 def test_features_hold_the_role_and_the_tool_failure_sign():
     encoder = HashEncoder()
     rows = embed_judge.features(encoder, [("Traceback (most recent call last):\nKeyError: 'a'", "tool"), ("thanks", "user")])
-    assert rows.shape == (2, 3 * 8 + 3)
-    # tail: [user, tool, failure sign]; a user message never carries the failure sign
-    torch.testing.assert_close(rows[:, -3:], torch.tensor([[0.0, 1.0, 1.0], [1.0, 0.0, 0.0]]))
+    assert rows.shape == (2, 9 * 8 + 3)
+    # [whole, first, last] (3*8), then [user, tool, failure sign]; a user message never carries
+    # the failure sign; then the embeddings again in the user's copy and in the tool's copy
+    torch.testing.assert_close(rows[:, 24:27], torch.tensor([[0.0, 1.0, 1.0], [1.0, 0.0, 0.0]]))
+    assert not rows[0, 27:51].any() and torch.equal(rows[0, 51:], rows[0, :24])  # tool row
+    assert torch.equal(rows[1, 27:51], rows[1, :24]) and not rows[1, 51:].any()  # user row
     assert encoder.calls == 1  # one encoder call for all of them
 
 
@@ -88,7 +91,7 @@ def test_head_is_fitted_once_then_read_from_the_cache(tmp_path, monkeypatch):
 
 def test_a_tool_failure_is_never_scored_plus_one():
     # A head that says +1 to everything: the failure sign still keeps tool errors off +1.
-    weight = torch.zeros(3, 3 * 8 + 3)
+    weight = torch.zeros(3, 9 * 8 + 3)
     bias = torch.tensor([5.0, 0.0, -5.0])  # positive, correction, neutral
     judge = EmbedJudge(HashEncoder(), head=(weight, bias))
     # +1 is set aside; of the rest, correction (p ~ 0.0067) leads neutral by less than the margin
@@ -123,7 +126,9 @@ def judge():
 async def test_held_out_accuracy_floor(judge):
     cases = load_cases(DATA / "judge_heldout.jsonl")
     report = await evaluate(judge, cases)
-    # Measured once, on cases written after the method and its fit data were frozen: 149/180 =
-    # 0.828 (the target is 0.92: not reached), 4 corrections or errors scored +1.
-    assert report["accuracy"] >= 0.8, report["misses"]
-    assert report["confusion"][-1][1] <= 4, report["misses"]
+    # Cases written after the method and its fit data were frozen. The fit is deterministic:
+    # 149/180 = 0.828 with one head for both roles, 154/180 = 0.856 with role-specific features
+    # (chosen by cross-validation on the fit data only); the target is 0.92: not reached.
+    # 3 corrections or errors scored +1.
+    assert report["accuracy"] >= 0.85, report["misses"]
+    assert report["confusion"][-1][1] <= 3, report["misses"]

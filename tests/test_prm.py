@@ -352,7 +352,7 @@ async def test_embed_judge_accuracy_on_reported_cases(embed_judge):
     cases = load_cases(DATA / "prm_cases.jsonl")
     assert len(cases) >= 40
     report = await evaluate(embed_judge, cases)
-    # Measured: 51/54 = 0.944 with the learned head (its fit data, ocrl/data/judge_fit.jsonl, holds
+    # Measured: 50/54 = 0.926 with the learned head (its fit data, ocrl/data/judge_fit.jsonl, holds
     # none of these cases); 2 wrong signs. The prototype judge before it: 45/54.
     assert report["n"] == len(cases)
     assert report["accuracy"] >= 0.8, report["misses"]
