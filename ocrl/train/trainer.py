@@ -5,7 +5,7 @@ never sessions or HTTP. It reaches the engine only through `update_weights` (the
 under a new `weights_version`) and `score` (a teacher-forced probe that proves the swap landed).
 The pieces it narrates live beside it: the models and their forwards in policy.py, the loss in
 loss.py, micro-batches in batch.py, yielding to serving in give_way.py, the metrics row in
-metrics.py, checkpoints in checkpoint.py.
+metrics.py, the swap and its probe in swap.py, checkpoints in checkpoint.py.
 
 One step (`step`), in order:
  1. pack the batch into micro-batches under a token budget (a long sample goes alone);
@@ -52,7 +52,8 @@ from ocrl.train.give_way import GiveWay, Preempted, YieldTo
 from ocrl.train.loss import TopKTeacher, method_advantages, opd_advantages, policy_loss
 from ocrl.train.metrics import LossSums, StepMetrics
 from ocrl.train.policy import Policy, Teacher, TeacherRows
-from ocrl.types import Sample, TrainStep, WeightsSwapped
+from ocrl.train.swap import swap
+from ocrl.types import Sample, TrainStep
 
 log = logging.getLogger("ocrl.train")
 
@@ -343,37 +344,14 @@ class Trainer(Policy):
     async def _publish(
         self, tensors: dict[str, torch.Tensor], version: int, probe_logprobs: torch.Tensor | None
     ) -> tuple[float, bool, float]:
-        """Swap `tensors` into the engine as `version` and check the served log-probs of the
-        probe against ours (`probe_logprobs`, None when there is no probe: not verified). A
-        failed swap is reported, not raised: the next step sends all the changing weights
-        again, so the engine catches up."""
-        try:
-            seconds = await self.engine.update_weights(tensors, version=version)
-        except Exception as e:
-            log.exception("weight swap to version %d failed", version)
-            self.events.log("error", f"weight swap to version {version} failed: {type(e).__name__}: {e}")
-            self.events.publish(WeightsSwapped(weights_version=self.version, seconds=0.0, verified=False))
-            return 0.0, False, math.inf
-        self.version = version
-        probe_diff = math.nan
-        over = True
-        if self.probe is not None and probe_logprobs is not None:
-            try:
-                served = torch.tensor(await self.engine.score(*split_prompt(self.probe)), dtype=torch.float32)
-                same = served.shape == probe_logprobs.shape
-                probe_diff = (served - probe_logprobs).abs().max().item() if same else math.inf
-                if same and probe_diff < math.inf:  # per token: the larger of the flat and the relative bound
-                    limits = torch.clamp(self.verify_rtol * probe_logprobs.abs(), min=self.verify_atol)
-                    over = bool(((served - probe_logprobs).abs() >= limits).any())
-            except Exception:
-                log.exception("scoring the probe of version %d failed", version)
-                probe_diff = math.inf
-        verified = probe_diff < math.inf and not over  # False when nothing was probed (nan) or scoring failed
-        if probe_logprobs is not None and not verified:
-            log.warning("swap to version %d did not verify: probe differs by %.3g", version, probe_diff)
-            self.events.log("warning", f"weights version {version}: served log-probs differ by {probe_diff:.3g}")
-        self.events.publish(WeightsSwapped(weights_version=version, seconds=seconds, verified=verified))
-        return seconds, verified, probe_diff
+        """Swap `tensors` into the engine as `version` and verify the probe (see swap.py)."""
+        swapped = await swap(
+            self.engine, self.events, tensors, version, serving_version=self.version,
+            probe=self.probe, probe_logprobs=probe_logprobs, atol=self.verify_atol, rtol=self.verify_rtol,
+        )  # fmt: skip
+        if swapped.landed:
+            self.version = version
+        return swapped.seconds, swapped.verified, swapped.probe_diff
 
     async def publish(self) -> bool:
         """Push the current weights to the engine under the current version (after a resume)."""
