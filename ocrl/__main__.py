@@ -21,10 +21,10 @@ def run_async(fn, *args) -> None:
 
 
 def add_simulation_flags(parser: argparse.ArgumentParser) -> None:
-    from ocrl.persona import builtin_names
+    from ocrl.bench.persona import builtin_names
 
-    parser.add_argument("--persona", choices=builtin_names(), default="brief", help="a built-in persona (ocrl/personas/NAME.toml)")
-    parser.add_argument("--persona-file", default=None, help="a persona file (TOML, see ocrl/persona.py); overrides --persona")
+    parser.add_argument("--persona", choices=builtin_names(), default="brief", help="a built-in persona (ocrl/bench/personas/NAME.toml)")
+    parser.add_argument("--persona-file", default=None, help="a persona file (TOML, see ocrl/bench/persona.py); overrides --persona")
     parser.add_argument("--turns", type=int, default=200, help="learn: main turns to simulate")
     parser.add_argument("--concurrency", type=int, default=None, help="sessions at once (bench soak: 100 when not given)")
     parser.add_argument("--tasks", type=int, default=2, help="tasks per session")
@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
 
     setup_logging()
     if hasattr(args, "persona"):
-        from ocrl import persona as persona_mod
+        from ocrl.bench import persona as persona_mod
 
         try:
             args.persona = persona_mod.load(args.persona_file or persona_mod.BUILTIN_DIR / f"{args.persona}.toml")
@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"ocrl: {e}", file=sys.stderr)
             return 2
     if args.command == "simulate":
-        from ocrl import simulate
+        from ocrl.bench import simulate
 
         run_async(simulate.run, args.url, args.api_key, args.persona, args.sessions, args.concurrency, args.tasks, args.seed, args.max_tokens)
         return 0

@@ -372,7 +372,7 @@ async def test_a_combine_daemon_builds_a_teacher_prompt_from_the_users_correctio
 
 def test_bench_learn_method_specs():
     from ocrl.config import Config
-    from ocrl.learn import _variant
+    from ocrl.bench.learn import _variant
 
     got = _variant(Config(), "combine:system:topk16")
     assert (got.method, got.hint_placement, got.distill_topk) == ("combine", "system", 16)
@@ -385,7 +385,7 @@ def test_bench_learn_method_specs():
 async def test_bench_learn_runs_each_method_on_its_own_run_dir(tmp_path, monkeypatch, capsys):
     """bench learn --methods: one learn_once per spec, in order, each with its variant config and
     its own run dir; the placement check on the first only; one table and one plot."""
-    from ocrl import learn, simulate
+    from ocrl.bench import learn, simulate
     from ocrl.config import Config
 
     calls = []

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from ocrl import persona
-from ocrl.persona import Avoids, Format, Language, MaxWords, Mentions, PersonaError
+from ocrl.bench import persona
+from ocrl.bench.persona import Avoids, Format, Language, MaxWords, Mentions, PersonaError
 
 ROOT = Path(__file__).resolve().parent.parent
 VALID = """

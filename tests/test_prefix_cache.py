@@ -309,7 +309,7 @@ def test_the_agent_bench_sends_openclaw_shaped_prompts(embedded):
     import random
 
     from ocrl import chat
-    from ocrl.bench_agent import agent_system, tool_output
+    from ocrl.bench.agent import agent_system, tool_output
     from ocrl.types import Message
 
     system, tools = agent_system(random.Random(0))
@@ -321,7 +321,7 @@ def test_the_agent_bench_sends_openclaw_shaped_prompts(embedded):
 
 
 def test_bench_train_sizes_the_long_sample_backward_before_running_it():
-    from ocrl.bench_agent import backward_memory
+    from ocrl.bench.agent import backward_memory
 
     cached, _ = trainers()
     need, available = backward_memory(cached, session_samples())

@@ -9,8 +9,8 @@ import anyio
 import msgspec
 import pytest
 
-from ocrl import simulate
-from ocrl.learn import judge_agreement
+from ocrl.bench import simulate
+from ocrl.bench.learn import judge_agreement
 from ocrl.prm import EmbedJudge
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import anyio
 
 from conftest import API_KEY, Daemon
-from ocrl import soak
+from ocrl.bench import soak
 
 SESSIONS, SECONDS = 100, 20
 

@@ -17,9 +17,9 @@ from pathlib import Path
 import anyio
 import msgspec
 
-from ocrl import simulate
+from ocrl.bench import simulate
 
-log = logging.getLogger("ocrl.learn")
+log = logging.getLogger("ocrl.bench.learn")
 
 
 def judge_agreement(feedback: list[simulate.Judged], verdicts_path: Path) -> dict:

@@ -22,7 +22,7 @@ repeats, because timings on shared machines swing several-fold between runs.
   re-sent each turn, ~300 tokens more per turn, 6 turns): time to first token of turns 2-6 with
   the engine's prefix cache over the same turns without it, sessions interleaved, and the memory
   the cache held. With `--replicas N`: N Ray replicas against 1 and against no Ray
-  (bench_cluster.py).
+  (bench/cluster.py).
 """
 
 from __future__ import annotations
@@ -34,7 +34,8 @@ import time
 import anyio
 import msgspec
 
-from ocrl import bench_agent, chat
+from ocrl import chat
+from ocrl.bench import agent as bench_agent
 from ocrl.types import Message, SamplingParams
 
 PROMPTS = [
@@ -51,7 +52,7 @@ PROMPTS = [
 
 async def run(which: str, config, args) -> None:
     if which == "serve" and config.replicas:
-        from ocrl.bench_cluster import bench_replicas
+        from ocrl.bench.cluster import bench_replicas
 
         await bench_replicas(config, args.repeats, args.max_tokens or 32)
     elif which == "serve":
@@ -63,15 +64,15 @@ async def run(which: str, config, args) -> None:
     elif which == "soak":
         await bench_soak(config, sessions=args.concurrency, seconds=args.seconds, max_tokens=args.max_tokens or 4)
     elif which == "openclaw":
-        from ocrl.bench_openclaw import bench_openclaw
+        from ocrl.bench.openclaw import bench_openclaw
 
         return await bench_openclaw(config, args)
     elif which == "gpu":
-        from ocrl.bench_gpu import bench_gpu
+        from ocrl.bench.gpu import bench_gpu
 
         await bench_gpu(config, args)
     elif which == "learn":
-        from ocrl.learn import bench_learn
+        from ocrl.bench.learn import bench_learn
 
         await bench_learn(
             config, persona=args.persona, turns=args.turns, concurrency=args.concurrency, probe_every=args.probe_every,
@@ -148,7 +149,7 @@ async def bench_serve(config, repeats: int, max_tokens: int) -> None:
 
 
 async def bench_soak(config, *, sessions: int, seconds: float, max_tokens: int) -> None:
-    from ocrl import soak
+    from ocrl.bench import soak
     from ocrl.daemon import Daemon
 
     config = msgspec.structs.replace(config, port=config.port if config.port != 30000 else 30998)

@@ -1,7 +1,7 @@
 """Personas as data: a simulated user's hidden rule, the tasks it asks, the probes that measure
 the rule, and the words it answers with when the rule held or did not.
 
-A persona is a TOML file (the built-in ones are `ocrl/personas/*.toml`):
+A persona is a TOML file (the built-in ones are `ocrl/bench/personas/*.toml`):
 
     name = "brief"
     description = "answers in at most 25 words"

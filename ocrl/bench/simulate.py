@@ -1,7 +1,7 @@
 """Scripted users with hidden preferences, talking to a running daemon over HTTP with the real
 `openai` client (demo and evaluation).
 
-Each persona (`ocrl.persona`, a data file) has a hidden rule, such as at most 25 words or no
+Each persona (`ocrl.bench.persona`, a data file) has a hidden rule, such as at most 25 words or no
 markdown. A user asks a few of its tasks, and after every answer replies with one of its feedback
 lines picked at random: thanks (often mixed with the next request) when the rule holds, a redo
 request or a complaint when it does not. The judge never sees the rule: whatever the policy
@@ -21,10 +21,10 @@ from typing import Callable
 import anyio
 import msgspec
 
-from ocrl.persona import DEFAULT_PROBES, Persona, builtin
+from ocrl.bench.persona import DEFAULT_PROBES, Persona, builtin
 
 
-# The built-in personas (ocrl/personas/*.toml); any other comes from `persona.load(FILE)`.
+# The built-in personas (ocrl/bench/personas/*.toml); any other comes from `persona.load(FILE)`.
 PERSONAS: dict[str, Persona] = builtin()
 PROBES = list(DEFAULT_PROBES)
 
