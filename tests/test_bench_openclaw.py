@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from ocrl.bench_openclaw import Refused, checks, find_openclaw
+from ocrl.bench.openclaw import Refused, checks, find_openclaw
 
 
 def _fake_install(folder, node_version: str):
