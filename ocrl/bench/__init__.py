@@ -192,7 +192,7 @@ def bare_step_fn(trainer, batch, lr: float):
     return bare_step
 
 
-async def bench_refuse(config, repeats: int) -> None:
+async def bench_refuse(config, repeats: int, modes: tuple[str, ...] = ("decoded on loop", "pre-check", "tokenised")) -> None:
     import httpx
 
     from ocrl.api import DECODE_OFF_LOOP_ABOVE
@@ -224,7 +224,7 @@ async def bench_refuse(config, repeats: int) -> None:
                 inner.start_soon(pings, done, idle)
                 await anyio.sleep(2.0)
                 done.set()
-            for mode in ("decoded on loop", "pre-check", "tokenised"):
+            for mode in modes:
                 # "decoded on loop": the pre-check, but the JSON decoded on the event loop as before
                 daemon.api.decode_off_loop_above = math.inf if mode == "decoded on loop" else DECODE_OFF_LOOP_ABOVE
                 if mode == "tokenised":  # the pre-check off: every body reaches the tokenizer
