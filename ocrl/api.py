@@ -103,6 +103,7 @@ class ApiError(Exception):
 
 _encoder = msgspec.json.Encoder()
 DECODE_OFF_LOOP_ABOVE = 256 * 1024  # bytes of body past which JSON decoding leaves the event loop
+BODY_SLACK = 1 << 20  # bytes of a request besides its prompt (refuse_hopeless_body)
 _request_decoder = msgspec.json.Decoder(ChatRequest)
 _AT = re.compile(r" - at `\$\.?([^`]*)`")
 
@@ -207,6 +208,7 @@ class Api:
         self._render_limiter = anyio.CapacityLimiter(1)  # one prompt renders at a time: one core, one tokenizer
         self._decode_limiter = anyio.CapacityLimiter(2)  # large bodies decode in at most 2 worker threads at once
         self.decode_off_loop_above = DECODE_OFF_LOOP_ABOVE
+        self.body_precheck = True  # refuse_hopeless_body (a bench turns it off to compare)
         from ocrl.completions import Completions  # these build on this module
         from ocrl.responses import Responses
 
@@ -353,8 +355,25 @@ class Api:
             return fn(raw)
         return await anyio.to_thread.run_sync(fn, raw, limiter=self._decode_limiter)
 
+    def refuse_hopeless_body(self, size: int) -> None:
+        """Before decoding: a body too large for any prompt that fits the context is refused
+        unread. A prompt character takes at most 6 bytes of JSON (a \\uXXXX escape), and the
+        rest of a request (sampling fields, a schema, logit_bias) gets 1 MiB of slack. Decoding
+        holds the GIL (10-60 ms per 8 MB here), so a worker thread cannot spare the event loop
+        that cost; this check can."""
+        if not self.body_precheck:
+            return
+        most = 6 * self.engine.max_context * self._longest_token() + BODY_SLACK
+        if size > most:
+            raise ApiError(
+                400, f"request body is {size} bytes; a prompt that fits the context of {self.engine.max_context} tokens needs at most {most}",
+                param="messages", code="context_length_exceeded",
+            )
+
     async def _chat_completions(self, http: Request) -> Response:
-        body = await self.decode(decode_request, await self._read_body(http))
+        raw = await self._read_body(http)
+        self.refuse_hopeless_body(len(raw))
+        body = await self.decode(decode_request, raw)
         prepared = await self.prepare(body, http)
         if body.stream:
             return StreamingResponse(

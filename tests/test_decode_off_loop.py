@@ -37,3 +37,14 @@ async def test_a_bad_large_body_is_still_a_400():
     with pytest.raises(ApiError) as e:
         await Api.decode(stub, decode_request, b'{"messages": [{"role": "user", "content": ' + b"1" * 100 + b"}")
     assert e.value.status == 400
+
+
+def test_a_body_too_large_for_any_fitting_prompt_is_refused_before_decoding():
+    from ocrl.api import BODY_SLACK
+
+    stub = SimpleNamespace(body_precheck=True, engine=SimpleNamespace(max_context=100), _longest_token=lambda: 10)
+    most = 6 * 100 * 10 + BODY_SLACK
+    Api.refuse_hopeless_body(stub, most)  # could still hold a prompt that fits: decoded as usual
+    with pytest.raises(ApiError) as e:
+        Api.refuse_hopeless_body(stub, most + 1)
+    assert e.value.status == 400 and e.value.code == "context_length_exceeded"

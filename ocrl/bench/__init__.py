@@ -192,7 +192,7 @@ def bare_step_fn(trainer, batch, lr: float):
     return bare_step
 
 
-async def bench_refuse(config, repeats: int, modes: tuple[str, ...] = ("decoded on loop", "pre-check", "tokenised")) -> None:
+async def bench_refuse(config, repeats: int, modes: tuple[str, ...] = ("decoded on loop", "pre-check", "byte check", "tokenised")) -> None:
     import httpx
 
     from ocrl.api import DECODE_OFF_LOOP_ABOVE
@@ -227,6 +227,7 @@ async def bench_refuse(config, repeats: int, modes: tuple[str, ...] = ("decoded 
             for mode in modes:
                 # "decoded on loop": the pre-check, but the JSON decoded on the event loop as before
                 daemon.api.decode_off_loop_above = math.inf if mode == "decoded on loop" else DECODE_OFF_LOOP_ABOVE
+                daemon.api.body_precheck = mode == "byte check"  # refused by size, never decoded
                 if mode == "tokenised":  # the pre-check off: every body reaches the tokenizer
                     daemon.api._token_chars = 10**9
                 latencies, walls, statuses = [], [], []
