@@ -51,6 +51,16 @@ class Subscription:
         self.close()
 
 
+class NoEvents:
+    """Events for a run nobody watches: the real signatures, nothing published."""
+
+    def publish(self, event: Event) -> None:
+        pass
+
+    def log(self, level: str, message: str) -> None:
+        pass
+
+
 class Events:
     def __init__(self, history: int = 500):
         self._subscribers: set[Subscription] = set()

@@ -159,6 +159,37 @@ def _without_text(sample: Sample) -> Sample:
     )
 
 
+class NoRecords:
+    """Records for a run that keeps none: the real signatures, nothing written, never full."""
+
+    dir = None
+    full = False
+
+    def turn(self, turn) -> None:
+        pass
+
+    def next_state(self, sample_id: str, message: Message) -> None:
+        pass
+
+    def verdict(self, session_id: str, index: int, verdict, next_state: str | None, role: str | None) -> None:
+        pass
+
+    def hint(self, session_id: str, index: int, hint) -> None:
+        pass
+
+    def metric(self, row: dict) -> None:
+        pass
+
+    def distill(self, rows: list[dict]) -> None:
+        pass
+
+    def consumed(self, sample_ids: list[str], step: int | None = None) -> None:
+        pass
+
+    def forget_token_ids(self, through_step: int, keep: int = 0) -> int:
+        return 0
+
+
 class Records:
     def __init__(self, directory: Path, *, record_text: bool = True):
         self.dir = Path(directory)

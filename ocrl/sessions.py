@@ -33,13 +33,11 @@ and finished samples to a sink.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import time
 import uuid
 from collections import Counter, deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Awaitable, Callable
 
 import anyio
@@ -47,82 +45,13 @@ import msgspec
 
 from ocrl.clients import ClientRules
 from ocrl.faults import crash_point
-from ocrl.records import DiskFull
+from ocrl.events import NoEvents
+from ocrl.records import DiskFull, NoRecords
 from ocrl.types import Completion, Hint, Message, Sample, SampleReady, SessionChanged, Turn, TurnServed, Verdict, VerdictReady, Vote
 
+from ocrl.turns import Held, MainTurn, Session, Ticket, TurnState, prefix_key, response_message, sample_id
+
 log = logging.getLogger("ocrl.sessions")
-
-
-@dataclass
-class Ticket:
-    session_id: str
-    turn_type: str
-    session_done: bool
-    messages: list[Message]
-    tools: list[dict] | None = None
-    started: float = field(default_factory=time.monotonic)
-    key: str = ""  # prefix key of `messages` (main turns): a retry of the same request has the same
-    superseded: bool = False  # a retry of this request arrived while it generated: the retry is the turn
-
-
-@dataclass
-class _MainTurn:
-    turn: Turn
-    state: str = "open"  # open -> judging -> submitted
-    next_state: Message | None = None
-    candidates: list[Turn] = field(default_factory=list)  # n > 1, until one is continued; `turn` is then that one
-
-
-@dataclass
-class Session:
-    session_id: str
-    uid: str = field(default_factory=lambda: uuid.uuid4().hex[:8])  # a reused session id is a new session
-    turns: list[_MainTurn] = field(default_factory=list)
-    side_turns: int = 0
-    effective: int = 0  # samples submitted with mask 1
-    closed: bool = False
-    last_seen: float = field(default_factory=time.monotonic)
-    prefix_keys: list[str] = field(default_factory=list)
-    reply_key: str = ""  # the last main turn's reply, for threading through history rewrites
-    hints: list[str] = field(default_factory=list)  # accepted hints, in order (--experience session|posthoc)
-    held: list = field(default_factory=list)  # posthoc: judged turns waiting for the session's end
-    in_flight: dict = field(default_factory=dict)  # prefix key -> the main Ticket generating for it
-
-    @property
-    def judging(self) -> int:
-        return sum(t.state == "judging" for t in self.turns)
-
-    @property
-    def waiting(self) -> bool:
-        return bool(self.turns) and self.turns[-1].state == "open"
-
-
-def _message_key(message: Message) -> list:
-    calls = [
-        (c.get("function", {}).get("name"), json.dumps(_loads(c.get("function", {}).get("arguments")), sort_keys=True))
-        for c in (message.tool_calls or [])
-    ]
-    return [message.role, (message.content or "").strip(), calls, message.tool_call_id or ""]
-
-
-def _loads(value):
-    try:
-        return json.loads(value) if isinstance(value, str) else value
-    except json.JSONDecodeError:
-        return value
-
-
-def prefix_key(messages: list[Message]) -> str:
-    return hashlib.sha256(json.dumps([_message_key(m) for m in messages]).encode()).hexdigest()
-
-
-def response_message(text: str, tool_calls: list[dict]) -> Message:
-    return Message(role="assistant", content=text if not tool_calls else (text or None), tool_calls=tool_calls or None)
-
-
-def sample_id(session: Session, turn: Turn) -> str:
-    group = f"/{turn.choice}" if turn.group_size > 1 else ""
-    return f"{turn.session_id}:{session.uid}:{turn.index}{group}"
 
 
 JudgeFn = Callable[[str, str, str], Awaitable[Verdict]]
@@ -168,8 +97,8 @@ class Sessions:
         self.method = distill.method if distill else "rl"
         self._recent_hints: deque[str] = deque(maxlen=distill.experience_max if distill else 1)
         self.submit = submit
-        self.records = records
-        self.events = events
+        self.records = records if records is not None else NoRecords()
+        self.events = events if events is not None else NoEvents()
         self.default_turn_type = default_turn_type
         self.timeout = timeout
         self.parse_response = parse_response or (lambda text: (text, []))
@@ -178,7 +107,7 @@ class Sessions:
         self.by_prefix: dict[str, str] = {}
         self.by_reply: dict[str, str] = {}  # reply key -> the session whose last main turn gave it
         self.counters: Counter = Counter()
-        self._judging, self._to_judge = anyio.create_memory_object_stream[tuple[Session, _MainTurn]](float("inf"))
+        self._judging, self._to_judge = anyio.create_memory_object_stream[tuple[Session, MainTurn]](float("inf"))
         self._in_flight = 0
 
     # -- the API side -----------------------------------------------------------------------
@@ -194,7 +123,7 @@ class Sessions:
         turn_type = turn_type or self.default_turn_type
         if turn_type not in ("main", "side"):
             raise ValueError(f"turn type must be 'main' or 'side', not {turn_type!r}")
-        if turn_type == "main" and self.records and self.records.full:
+        if turn_type == "main" and self.records.full:
             raise DiskFull(28, "the record dir is full: main turns cannot be kept until space returns")
         if not session_id:
             session_id = self._thread(messages) or self._thread_by_reply(messages)
@@ -203,14 +132,14 @@ class Sessions:
             session_id = session_id or "s-" + uuid.uuid4().hex[:16]
         session = self._session(session_id)
         session.last_seen = time.monotonic()
-        if turn_type == "main" and session.turns and session.turns[-1].state == "open" and self._repeats(session.turns[-1], messages):
+        if turn_type == "main" and session.turns and session.turns[-1].state == TurnState.OPEN and self._repeats(session.turns[-1], messages):
             # The same request as the open turn's, not a continuation of it: its reply never
             # reached the client (timed out or disconnected after it was generated) and this is
             # the retry (or a regenerate). The retry takes the turn's place and index; the
             # unseen reply has no next state and is never a sample (restore keeps the later).
             session.turns.pop()
             self.counters["replaced_turns"] += 1
-        if turn_type == "main" and session.turns and session.turns[-1].state == "open":
+        if turn_type == "main" and session.turns and session.turns[-1].state == TurnState.OPEN:
             if session.turns[-1].candidates:
                 self._choose(session, session.turns[-1], messages)
             # The last message of this request is the next state of the previous main turn.
@@ -227,7 +156,7 @@ class Sessions:
         return ticket
 
     @staticmethod
-    def _repeats(main_turn: _MainTurn, messages: list[Message]) -> bool:
+    def _repeats(main_turn: MainTurn, messages: list[Message]) -> bool:
         kept = main_turn.turn.messages
         return bool(kept) and len(kept) == len(messages) and prefix_key(kept) == prefix_key(messages)
 
@@ -264,12 +193,11 @@ class Sessions:
             )
             for k, completion in enumerate(completions)
         ]
-        if self.records:  # a main turn that cannot be kept raises DiskFull here, before it counts
-            for turn in turns:
-                self.records.turn(turn)
+        for turn in turns:  # a main turn that cannot be kept raises DiskFull here, before it counts
+            self.records.turn(turn)
         self._done(ticket)
         if main:
-            session.turns.append(_MainTurn(turns[0], candidates=turns if n > 1 else []))
+            session.turns.append(MainTurn(turns[0], candidates=turns if n > 1 else []))
             for turn in reversed(turns):  # candidate 0 last: it is the group's reply when threading by reply
                 content, calls = self.parse_response(turn.response_text)
                 self._index(session, ticket.messages, response_message(content or "", calls))
@@ -279,15 +207,14 @@ class Sessions:
         else:
             session.side_turns += n
             self.counters["side_turns"] += n
-        if self.events:
-            seconds = time.monotonic() - ticket.started
-            for turn in turns:
-                self.events.publish(
-                    TurnServed(
-                        session_id=turn.session_id, index=turn.index, turn_type=turn.turn_type, prompt_tokens=len(turn.prompt_ids),
-                        completion_tokens=len(turn.response_ids), weights_version=turn.weights_version, seconds=seconds,
-                    )
+        seconds = time.monotonic() - ticket.started
+        for turn in turns:
+            self.events.publish(
+                TurnServed(
+                    session_id=turn.session_id, index=turn.index, turn_type=turn.turn_type, prompt_tokens=len(turn.prompt_ids),
+                    completion_tokens=len(turn.response_ids), weights_version=turn.weights_version, seconds=seconds,
                 )
+            )
         if ticket.session_done:
             self.close(session.session_id)
         return turns
@@ -300,7 +227,7 @@ class Sessions:
         return prefix_key([reply] if alone else turn.messages + [reply])
 
     def _choose(
-        self, session: Session, main_turn: _MainTurn, messages: list[Message] | None, *, prefer: Turn | None = None,
+        self, session: Session, main_turn: MainTurn, messages: list[Message] | None, *, prefer: Turn | None = None,
         journaled: dict[str, bool] | None = None,
     ) -> None:
         """n > 1: the candidate `messages` continue becomes the main turn (candidate 0 when none
@@ -321,7 +248,7 @@ class Sessions:
             if journaled is not None and sample_id(session, sibling) in journaled:
                 continue
             self.counters["group_siblings"] += 1
-            self._emit(session, _MainTurn(sibling), score=None, mask=0, reward=0.0, votes=[], promoted=False)
+            self._emit(session, MainTurn(sibling), score=None, mask=0, reward=0.0, votes=[], promoted=False)
 
     def abort(self, ticket: Ticket) -> None:
         self._done(ticket)
@@ -335,7 +262,7 @@ class Sessions:
         if session is None or session.closed:
             return
         session.closed = True
-        if session.turns and session.turns[-1].state == "open":
+        if session.turns and session.turns[-1].state == TurnState.OPEN:
             last = session.turns[-1]
             if last.candidates:  # never continued: candidate 0 stands for the group
                 self._choose(session, last, None)
@@ -348,8 +275,7 @@ class Sessions:
             del self.by_reply[session.reply_key]
         self.counters["sessions_closed"] += 1
         self.sessions.pop(session_id, None)  # votes in flight keep their own reference
-        if self.events:
-            self.events.publish(SessionChanged(session_id=session_id, state="closed", main_turns=len(session.turns)))
+        self.events.publish(SessionChanged(session_id=session_id, state="closed", main_turns=len(session.turns)))
 
     # -- judging ----------------------------------------------------------------------------
 
@@ -379,15 +305,15 @@ class Sessions:
             while self._in_flight:
                 await anyio.sleep(0.05)
 
-    def _close_turn(self, session: Session, main_turn: _MainTurn, next_state: Message, *, record: bool = True) -> None:
-        if self.records and record:  # durable: a crash while judging costs a re-judge, not the turn
+    def _close_turn(self, session: Session, main_turn: MainTurn, next_state: Message, *, record: bool = True) -> None:
+        if record:  # durable: a crash while judging costs a re-judge, not the turn
             self.records.next_state(sample_id(session, main_turn.turn), next_state)  # DiskFull: the turn stays open
-        main_turn.state = "judging"
+        main_turn.move(TurnState.JUDGING)
         main_turn.next_state = next_state
         self._in_flight += 1
         self._judging.send_nowait((session, main_turn))
 
-    async def _judge_one(self, session: Session, main_turn: _MainTurn) -> None:
+    async def _judge_one(self, session: Session, main_turn: MainTurn) -> None:
         turn, next_state = main_turn.turn, main_turn.next_state
         started = time.monotonic()
         verdict: Verdict | None = None
@@ -423,15 +349,12 @@ class Sessions:
                 self.counters[f"verdict_{verdict.score:+d}" if verdict.score else "verdict_0"] += 1
                 # votes that hit the judge's token budget with no score: the budget, not the judge, failed
                 self.counters["votes_truncated"] += sum(vote.truncated for vote in verdict.votes)
-                if self.records:
-                    self.records.verdict(turn.session_id, turn.index, verdict, next_state.content, next_state.role)
-                if self.events:
-                    self.events.publish(VerdictReady(session_id=turn.session_id, index=turn.index, verdict=verdict))
+                self.records.verdict(turn.session_id, turn.index, verdict, next_state.content, next_state.role)
+                self.events.publish(VerdictReady(session_id=turn.session_id, index=turn.index, verdict=verdict))
             if hint is not None:
                 self.counters["hints_accepted" if hint.hint else "hints_none"] += 1
                 self.counters["hint_votes_truncated"] += sum(vote.truncated for vote in hint.votes)
-                if self.records:
-                    self.records.hint(turn.session_id, turn.index, hint)
+                self.records.hint(turn.session_id, turn.index, hint)
             self._settle(session, main_turn, verdict, hint)
         except Exception:  # never take the judging loop (and the daemon) down with one turn
             log.exception("settling %s#%d failed", turn.session_id, turn.index)
@@ -439,7 +362,7 @@ class Sessions:
         finally:
             self._in_flight -= 1
 
-    def _settle(self, session: Session, main_turn: _MainTurn, verdict: Verdict | None, hint: Hint | None) -> None:
+    def _settle(self, session: Session, main_turn: MainTurn, verdict: Verdict | None, hint: Hint | None) -> None:
         """The sample of a judged turn: its mask, reward and (opd/combine) teacher prompt. With
         --experience posthoc the turn waits for its session to end (see `_release_held`)."""
         own = hint.hint if hint else None
@@ -448,8 +371,8 @@ class Sessions:
             session.hints.append(own)
             self._recent_hints.append(own)
         if self.distill and self.distill.experience == "posthoc":
-            main_turn.state = "held"
-            session.held.append((main_turn, verdict, hint))
+            main_turn.move(TurnState.HELD)
+            session.held.append(Held(main_turn, verdict, hint))
             self._release_held(session)
             return
         self._finish(session, main_turn, verdict, hint, experience)
@@ -459,12 +382,12 @@ class Sessions:
         gets the whole session's hints as the teacher's context."""
         if not session.closed or session.judging:
             return
-        for main_turn, verdict, hint in session.held:
-            own = hint.hint if hint else None
-            self._finish(session, main_turn, verdict, hint, [h for h in self._experience(session) if h != own])
+        for held in session.held:
+            own = held.hint.hint if held.hint else None
+            self._finish(session, held.main_turn, held.verdict, held.hint, [h for h in self._experience(session) if h != own])
         session.held.clear()
 
-    def _finish(self, session: Session, main_turn: _MainTurn, verdict: Verdict | None, hint: Hint | None, experience: list[str]) -> None:
+    def _finish(self, session: Session, main_turn: MainTurn, verdict: Verdict | None, hint: Hint | None, experience: list[str]) -> None:
         own = hint.hint if hint else None
         teacher_ids = None
         if self.distill and (own or experience):
@@ -498,12 +421,12 @@ class Sessions:
         return list(dict.fromkeys(hints))[-self.distill.experience_max :]  # each once, newest kept
 
     def _emit(
-        self, session: Session, main_turn: _MainTurn, *, score, mask, reward, votes, promoted, hint: Hint | None = None,
+        self, session: Session, main_turn: MainTurn, *, score, mask, reward, votes, promoted, hint: Hint | None = None,
         experience: list[str] = (), teacher_prompt_ids: list[int] | None = None,
     ) -> None:
-        if main_turn.state == "submitted":  # exactly once, whatever the order of events
+        if main_turn.state == TurnState.SUBMITTED:  # exactly once, whatever the order of events
             return
-        main_turn.state = "submitted"
+        main_turn.move(TurnState.SUBMITTED)
         turn = main_turn.turn
         n = len(turn.response_ids)
         sample = Sample(
@@ -535,8 +458,7 @@ class Sessions:
         if promoted:
             self.counters["samples_promoted"] += 1
         self.submit(sample)
-        if self.events:
-            self.events.publish(SampleReady(sample=sample))
+        self.events.publish(SampleReady(sample=sample))
 
     # -- after a restart --------------------------------------------------------------------
 
@@ -566,7 +488,7 @@ class Sessions:
             self.sessions[session_id] = session
             self.counters["sessions_restored"] += 1
             for k, slot in enumerate(slots):
-                main_turn = _MainTurn(slot[0], candidates=slot if len(slot) > 1 else [])
+                main_turn = MainTurn(slot[0], candidates=slot if len(slot) > 1 else [])
                 session.turns.append(main_turn)
                 for turn in reversed(slot):
                     if turn.messages and turn.response_text is not None:
@@ -580,7 +502,7 @@ class Sessions:
                 turn = main_turn.turn
                 sid = sample_id(session, turn)
                 if sid in journaled:
-                    main_turn.state = "submitted"
+                    main_turn.move(TurnState.SUBMITTED)
                     continue
                 next_state = next_states.get(sid) or (later.messages[-1] if later and later.messages else None)
                 if next_state is not None and next_state.content is not None and turn.messages:  # text recorded
@@ -603,8 +525,7 @@ class Sessions:
             session = Session(session_id)
             self.sessions[session_id] = session
             self.counters["sessions_opened"] += 1
-            if self.events:
-                self.events.publish(SessionChanged(session_id=session_id, state="open", main_turns=0))
+            self.events.publish(SessionChanged(session_id=session_id, state="open", main_turns=0))
         return session
 
     def _index(self, session: Session, messages: list[Message], reply: Message) -> None:
