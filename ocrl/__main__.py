@@ -42,8 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     config_mod.add_flags(serve)
     bench = commands.add_parser("bench", help="benchmarks, each a ratio against a baseline in the same run")
     bench.add_argument(
-        "which", choices=["serve", "train", "learn", "soak", "gpu", "openclaw", "refuse"],
-        help="serve: proxy overhead and batching; train: step, swap and stall; learn: a learning curve; soak: concurrent sessions for --seconds; gpu: engines on CUDA (swap, stall, step, tokens/s); openclaw: the real OpenClaw CLI end to end (needs node >= 24.16 and openclaw); refuse: healthz while four 7.9 MB bodies are refused",
+        "which", choices=["serve", "train", "learn", "soak", "gpu", "openclaw", "refuse", "judge"],
+        help="serve: proxy overhead and batching; train: step, swap and stall; learn: a learning curve; soak: concurrent sessions for --seconds; gpu: engines on CUDA (swap, stall, step, tokens/s); openclaw: the real OpenClaw CLI end to end (needs node >= 24.16 and openclaw); refuse: healthz while four 7.9 MB bodies are refused; judge: the embed judge's ms per case on the held-out cases against the encoder's forward alone",
     )
     bench.add_argument("--openclaw", default=None, help="openclaw: the folder where `npm install node@24 openclaw` ran (or the CLI; default: on PATH, or $OCRL_OPENCLAW)")
     bench.add_argument("--seconds", type=float, default=60.0, help="soak: how long to drive --concurrency sessions")

@@ -63,6 +63,8 @@ async def run(which: str, config, args) -> None:
         await bench_refuse(config, args.repeats)
     elif which == "soak":
         await bench_soak(config, sessions=args.concurrency, seconds=args.seconds, max_tokens=args.max_tokens or 4)
+    elif which == "judge":
+        await anyio.to_thread.run_sync(bench_judge, args.repeats)
     elif which == "openclaw":
         from ocrl.bench.openclaw import bench_openclaw
 
@@ -79,6 +81,40 @@ async def run(which: str, config, args) -> None:
             tasks=args.tasks, max_tokens=args.max_tokens or 48, probe_samples=args.probe_samples,
             methods=[m.strip() for m in args.methods.split(",") if m.strip()] if getattr(args, "methods", None) else None,
         )
+
+
+def bench_judge(repeats: int) -> None:
+    """The embed judge, one case at a time as a session calls it (`classify`: features, head,
+    decision), on the held-out cases; the baseline is the encoder's forward alone on the same
+    next states in the same run (what the features and the head add is the ratio). Medians of
+    `repeats` passes, on the threads torch is given."""
+    from pathlib import Path
+
+    from ocrl.embed_judge import EmbedJudge, load_fit_cases
+
+    cases = load_fit_cases(Path(__file__).resolve().parent.parent / "tests" / "data" / "judge_heldout.jsonl")
+    judge = EmbedJudge.load()
+    judge.classify("warm up", "user")
+    judged, encoded = [], []
+    for _ in range(max(1, repeats)):
+        started = time.perf_counter()
+        for case in cases:
+            judge.encode([case.next_state])
+        encoded.append((time.perf_counter() - started) * 1000 / len(cases))
+        started = time.perf_counter()
+        for case in cases:
+            judge.classify(case.next_state, case.role)
+        judged.append((time.perf_counter() - started) * 1000 / len(cases))
+    judge_ms, encode_ms = statistics.median(judged), statistics.median(encoded)
+    print(f"embed judge, {len(cases)} held-out cases, median of {len(judged)} passes (threads {torch_threads()}):")
+    print(f"  encoder forward alone   {encode_ms:7.1f} ms/case")
+    print(f"  judge (classify)        {judge_ms:7.1f} ms/case  ({judge_ms / encode_ms:.2f}x the forward alone; target < 50 ms)")
+
+
+def torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
 
 
 async def bench_serve(config, repeats: int, max_tokens: int) -> None:
