@@ -36,6 +36,7 @@ import msgspec
 
 from ocrl import chat
 from ocrl.bench import agent as bench_agent
+from ocrl.bench.serving import serving
 from ocrl.types import Message, SamplingParams
 
 PROMPTS = [
@@ -147,10 +148,7 @@ async def bench_serve(config, repeats: int, max_tokens: int) -> None:
         n = await fn(*a)
         return time.perf_counter() - started, n
 
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(daemon.serve)
-        while daemon.server is None or not daemon.server.started:
-            await anyio.sleep(0.05)
+    async with serving(daemon):
         async with httpx.AsyncClient(timeout=600) as client:
             await proxied(client, PROMPTS[0])  # warm-up both paths
             await direct(PROMPTS[0])
@@ -173,7 +171,6 @@ async def bench_serve(config, repeats: int, max_tokens: int) -> None:
                         burst.start_soon(proxied, client, prompt)
                 concurrent.append(time.perf_counter() - started)
             agent_rows = await bench_agent.serve_rows(client, url, headers, engine, tokenizer, repeats)
-        daemon.server.should_exit = True
     engine_med, proxy_med = statistics.median(engine_s), statistics.median(proxy_s)
     seq_med, conc_med = statistics.median(sequential), statistics.median(concurrent)
     overhead = (proxy_med - engine_med) / proxy_med
@@ -191,17 +188,12 @@ async def bench_soak(config, *, sessions: int, seconds: float, max_tokens: int) 
     config = msgspec.structs.replace(config, port=config.port if config.port != 30000 else 30998)
     daemon = Daemon(config)
     await daemon.build()
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(daemon.serve)
-        while daemon.server is None or not daemon.server.started:
-            await anyio.sleep(0.05)
-        url = f"http://{config.host}:{config.port}/v1"
+    async with serving(daemon) as url:
         report = await soak.soak(url, config.api_key, sessions=sessions, seconds=seconds, max_tokens=max_tokens, seed=config.seed)
         with anyio.move_on_after(120):  # the last verdicts
             while daemon.sessions.stats()["judging"]:
                 await anyio.sleep(0.2)
         accounting = soak.account(daemon.run_dir)
-        daemon.server.should_exit = True
     soak.print_report(report, accounting, sessions)
 
 
@@ -240,10 +232,7 @@ async def bench_refuse(config, repeats: int, modes: tuple[str, ...] = ("decoded 
     huge = msgspec.json.encode({"messages": [{"role": "user", "content": "word " * 1_580_000}], "max_tokens": 2})
     headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {config.api_key}"} if config.api_key else {})
     results: dict[str, tuple[list[float], list[float], list[int]]] = {}
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(daemon.serve)
-        while daemon.server is None or not daemon.server.started:
-            await anyio.sleep(0.05)
+    async with serving(daemon):
         base = f"http://{config.host}:{config.port}"
         async with httpx.AsyncClient(base_url=base, timeout=600) as client:
 
@@ -283,7 +272,6 @@ async def bench_refuse(config, repeats: int, modes: tuple[str, ...] = ("decoded 
                         walls.append(time.perf_counter() - started)
                         done.set()
                 results[mode] = (latencies, walls, statuses)
-        daemon.server.should_exit = True
     idle_med = statistics.median(idle)
     print(f"bench refuse: four {len(huge) / 1e6:.1f} MB chat bodies at once, {repeats} repeats; /healthz idle median {idle_med * 1000:.1f} ms")
     for mode, (latencies, walls, statuses) in results.items():

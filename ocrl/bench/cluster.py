@@ -17,6 +17,7 @@ import anyio
 import msgspec
 
 from ocrl.bench import PROMPTS
+from ocrl.bench.serving import serving
 
 
 async def measure(config, repeats: int, max_tokens: int, burst: int) -> dict:
@@ -38,10 +39,7 @@ async def measure(config, repeats: int, max_tokens: int, burst: int) -> dict:
         return reply.json()["usage"]["completion_tokens"]
 
     result: dict = {}
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(daemon.serve)
-        while daemon.server is None or not daemon.server.started:
-            await anyio.sleep(0.05)
+    async with serving(daemon):
         async with httpx.AsyncClient(timeout=600) as client:
             for i in range(2 * max(1, config.replicas)):
                 await request(client, i)  # warm-up, every replica
@@ -70,7 +68,6 @@ async def measure(config, repeats: int, max_tokens: int, burst: int) -> dict:
             "replica_rss_mb": [r["rss_mb"] for r in stats["engine"].get("replicas", [])],
             "routed": [r["routed"] for r in stats["engine"].get("replicas", [])],
         }
-        daemon.server.should_exit = True
     return result
 
 

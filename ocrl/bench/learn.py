@@ -18,6 +18,7 @@ import anyio
 import msgspec
 
 from ocrl.bench import simulate
+from ocrl.bench.serving import serving
 
 log = logging.getLogger("ocrl.bench.learn")
 
@@ -208,10 +209,7 @@ async def learn_once(
     started = time.monotonic()
     base_url = f"http://{config.host}:{config.port}/v1"
     summary: dict = {}
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(daemon.serve)
-        while daemon.server is None or not daemon.server.started:
-            await anyio.sleep(0.05)
+    async with serving(daemon):
         async with AsyncOpenAI(base_url=base_url, api_key=config.api_key or "none", timeout=900, max_retries=0) as client:
             sim = simulate.Simulator(client, persona, max_tokens=max_tokens, seed=config.seed, max_turns=turns)
 
@@ -280,7 +278,6 @@ async def learn_once(
                 "method": config.method, "rows": rows, "distilled_share": distilled_share(run_dir),
                 "placement": summary_placement if check_placement else None,
             }
-        daemon.server.should_exit = True
     title = (
         f"{persona.name}: {persona.description}; judge {daemon.judge.name}, LoRA r={config.lora_rank}, lr={config.lr:g}, "
         f"batch {config.rollout_batch_size}"

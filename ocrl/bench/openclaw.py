@@ -35,6 +35,7 @@ import anyio
 import msgspec
 
 from ocrl import chat, openclaw
+from ocrl.bench.serving import serving
 
 MIN_NODE = (24, 16)
 TOOL_TURN_SECONDS = 240
@@ -236,10 +237,7 @@ async def bench_openclaw(config, args) -> int:
     env = {**env, "HOME": str(home), "NO_COLOR": "1"}
     forced = f"{openclaw.PROVIDER}/{model_id}-forced-tool"
     log = []
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(daemon.serve)
-        while daemon.server is None or not daemon.server.started:
-            await anyio.sleep(0.05)
+    async with serving(daemon):
         compacted_at = None
         for k, message in enumerate(TURNS):
             tool = message is None
@@ -255,7 +253,6 @@ async def bench_openclaw(config, args) -> int:
             if k >= 4 and compacted_at is not None:  # 5+ turns, one of them after a compaction
                 break
         await daemon.sessions.drain(timeout=120)
-        daemon.server.should_exit = True
     figures = analyse(recorder.rows, daemon.run_dir, daemon.sessions.counters, daemon.sessions.clients)
     print(json.dumps({"turns": log, **figures}, indent=1))
     results = checks(figures)
