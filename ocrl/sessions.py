@@ -28,7 +28,8 @@ one that answered last). Housekeeping requests and envelopes are the client rule
 (clients.py): housekeeping is served as a side turn, and a next state reaches the judge, the
 records and the sample with its envelope cut off. This module knows nothing of HTTP,
 of how the judge votes or of training; it hands (turn, next state) pairs to a judging function
-and finished samples to a sink.
+and finished samples to a sink. A main turn's states and their moves are `turns.py`'s; the
+threading index is `session_index.py`; bringing sessions back after a crash is `restore.py`.
 """
 
 from __future__ import annotations
@@ -41,15 +42,15 @@ from dataclasses import dataclass
 from typing import Awaitable, Callable
 
 import anyio
-import msgspec
 
 from ocrl.clients import ClientRules
-from ocrl.faults import crash_point
 from ocrl.events import NoEvents
+from ocrl.faults import crash_point
 from ocrl.records import DiskFull, NoRecords
-from ocrl.types import Completion, Hint, Message, Sample, SampleReady, SessionChanged, Turn, TurnServed, Verdict, VerdictReady, Vote
-
+from ocrl.restore import restore
+from ocrl.session_index import SessionIndex
 from ocrl.turns import Held, MainTurn, Session, Ticket, TurnState, prefix_key, response_message, sample_id
+from ocrl.types import Completion, Hint, Message, Sample, SampleReady, SessionChanged, Turn, TurnServed, Verdict, VerdictReady, Vote
 
 log = logging.getLogger("ocrl.sessions")
 
@@ -104,9 +105,8 @@ class Sessions:
         self.parse_response = parse_response or (lambda text: (text, []))
         self.clients = clients or ClientRules()
         self.sessions: dict[str, Session] = {}
-        self.by_prefix: dict[str, str] = {}
-        self.by_reply: dict[str, str] = {}  # reply key -> the session whose last main turn gave it
         self.counters: Counter = Counter()
+        self.index = SessionIndex(self.sessions, self.counters)
         self._judging, self._to_judge = anyio.create_memory_object_stream[tuple[Session, MainTurn]](float("inf"))
         self._in_flight = 0
 
@@ -126,7 +126,7 @@ class Sessions:
         if turn_type == "main" and self.records.full:
             raise DiskFull(28, "the record dir is full: main turns cannot be kept until space returns")
         if not session_id:
-            session_id = self._thread(messages) or self._thread_by_reply(messages)
+            session_id = self.index.find(messages)
             if session_id is None and turn_type == "side":
                 session_done = True  # a side turn of no known session: nothing to wait for
             session_id = session_id or "s-" + uuid.uuid4().hex[:16]
@@ -200,7 +200,7 @@ class Sessions:
             session.turns.append(MainTurn(turns[0], candidates=turns if n > 1 else []))
             for turn in reversed(turns):  # candidate 0 last: it is the group's reply when threading by reply
                 content, calls = self.parse_response(turn.response_text)
-                self._index(session, ticket.messages, response_message(content or "", calls))
+                self.index.add(session, ticket.messages, response_message(content or "", calls))
             self.counters["main_turns"] += 1
             if n > 1:
                 self.counters["group_candidates"] += n
@@ -221,7 +221,7 @@ class Sessions:
 
     def _reply_key(self, turn: Turn, alone: bool = False) -> str:
         """The prefix a request continuing this turn starts with: its messages and its reply
-        (`alone`: the reply only, as `_index` keeps it for rewritten histories)."""
+        (`alone`: the reply only, as `SessionIndex.add` keeps it for rewritten histories)."""
         content, calls = self.parse_response(turn.response_text)
         reply = response_message(content or "", calls)
         return prefix_key([reply] if alone else turn.messages + [reply])
@@ -269,10 +269,7 @@ class Sessions:
             only = len(session.turns) == 1 and self.method != "opd"  # opd: no next state, no hint, nothing to learn
             self._emit(session, last, score=None, mask=1 if only else 0, reward=0.0, votes=[], promoted=False)
         self._release_held(session)
-        for key in session.prefix_keys:
-            self.by_prefix.pop(key, None)
-        if self.by_reply.get(session.reply_key) == session_id:
-            del self.by_reply[session.reply_key]
+        self.index.forget(session)
         self.counters["sessions_closed"] += 1
         self.sessions.pop(session_id, None)  # votes in flight keep their own reference
         self.events.publish(SessionChanged(session_id=session_id, state="closed", main_turns=len(session.turns)))
@@ -463,59 +460,8 @@ class Sessions:
     # -- after a restart --------------------------------------------------------------------
 
     def restore(self, turns: list[Turn], next_states: dict[str, Message], journaled: dict[str, bool]) -> Counter:
-        """Brings back the sessions of an earlier process that still have main turns without a
-        journaled sample, so that no turn is lost to a crash. Such a turn whose next state had
-        arrived is judged again; the open last turn of a session waits for its next request (by
-        session id, or by prefix when text was recorded) or for the idle timeout, as before.
-        `journaled` maps sample id -> effective. Call before `run`; returns what it did."""
-        groups: dict[tuple[str, str], dict[int, list[Turn]]] = {}
-        for turn in sorted(turns, key=lambda t: t.created):
-            if turn.turn_type == "main" and turn.session_uid:
-                groups.setdefault((turn.session_id, turn.session_uid), {}).setdefault(turn.index, []).append(turn)
-        done: Counter = Counter()
-        for (session_id, uid), by_index in groups.items():
-            # a slot holds one turn, or (n > 1) the candidates of one prompt, by choice
-            slots = [sorted({t.choice: t for t in by_index[i]}.values(), key=lambda t: t.choice) for i in sorted(by_index)]
-            session = Session(session_id, uid=uid)
-            every_id = [sample_id(session, t) for slot in slots for t in slot]
-            if all(i in journaled for i in every_id):
-                continue
-            if [slot[0].index for slot in slots] != list(range(len(slots))):
-                log.warning("session %s: recorded main turns %s have gaps; restoring what is there", session_id, [slot[0].index for slot in slots])
-            if session_id in self.sessions:  # the id was reused: the older session ends here
-                self.close(session_id)
-            session.effective = sum(journaled.get(i, False) for i in every_id)
-            self.sessions[session_id] = session
-            self.counters["sessions_restored"] += 1
-            for k, slot in enumerate(slots):
-                main_turn = MainTurn(slot[0], candidates=slot if len(slot) > 1 else [])
-                session.turns.append(main_turn)
-                for turn in reversed(slot):
-                    if turn.messages and turn.response_text is not None:
-                        content, calls = self.parse_response(turn.response_text)
-                        self._index(session, turn.messages, response_message(content or "", calls))
-                later = slots[k + 1][0] if k + 1 < len(slots) else None
-                if main_turn.candidates:
-                    continued = next((t for t in slot if sample_id(session, t) in next_states or journaled.get(sample_id(session, t))), None)
-                    if continued is not None or later is not None:  # the group was resolved before the crash
-                        self._choose(session, main_turn, [] if continued else later.messages, prefer=continued, journaled=journaled)
-                turn = main_turn.turn
-                sid = sample_id(session, turn)
-                if sid in journaled:
-                    main_turn.move(TurnState.SUBMITTED)
-                    continue
-                next_state = next_states.get(sid) or (later.messages[-1] if later and later.messages else None)
-                if next_state is not None and next_state.content is not None and turn.messages:  # text recorded
-                    self._close_turn(session, main_turn, next_state, record=sid not in next_states)
-                    done["rejudged"] += 1
-                elif next_state is not None or later is not None:  # it had one; its text was not recorded
-                    main_turn.next_state = next_state
-                    self._emit(session, main_turn, score=None, mask=0, reward=0.0, votes=[], promoted=False)
-                    done["excluded_without_text"] += 1
-                else:
-                    done["open"] += 1  # the last turn: its next request may still come
-        done["sessions"] = self.counters["sessions_restored"]
-        return done
+        """See `ocrl.restore.restore`. Call before `run`."""
+        return restore(self, turns, next_states, journaled)
 
     # -- bookkeeping ------------------------------------------------------------------------
 
@@ -527,40 +473,6 @@ class Sessions:
             self.counters["sessions_opened"] += 1
             self.events.publish(SessionChanged(session_id=session_id, state="open", main_turns=0))
         return session
-
-    def _index(self, session: Session, messages: list[Message], reply: Message) -> None:
-        """Makes a main turn findable by the next request: by its prompt + reply, and (as the
-        session's last) by its reply alone."""
-        key = prefix_key(messages + [reply])
-        self.by_prefix[key] = session.session_id
-        session.prefix_keys.append(key)
-        if self.by_reply.get(session.reply_key) == session.session_id:
-            del self.by_reply[session.reply_key]
-        session.reply_key = prefix_key([reply])
-        self.by_reply[session.reply_key] = session.session_id
-
-    def _thread(self, messages: list[Message]) -> str | None:
-        """The session whose last known prefix this request extends (longest match wins)."""
-        for end in range(len(messages) - 1, 0, -1):
-            if messages[end - 1].role != "assistant":
-                continue
-            found = self.by_prefix.get(prefix_key(messages[:end]))
-            if found in self.sessions:
-                self.counters["threaded_by_prefix"] += 1
-                return found
-        return None
-
-    def _thread_by_reply(self, messages: list[Message]) -> str | None:
-        """A rewritten history: the session whose last main turn's reply this request contains,
-        followed by at least one message (the latest reply in the request wins)."""
-        for at in range(len(messages) - 2, -1, -1):
-            if messages[at].role != "assistant":
-                continue
-            found = self.by_reply.get(prefix_key([messages[at]]))
-            if found in self.sessions:
-                self.counters["threaded_by_reply"] += 1
-                return found
-        return None
 
     def stats(self) -> dict:
         open_sessions = [s for s in self.sessions.values() if not s.closed]
