@@ -28,6 +28,7 @@ from ocrl.engine.hf import HFEngine
 from ocrl.engine.select import build_engine
 from ocrl.events import Events
 from ocrl.guard import is_loopback
+from ocrl.restore import restore
 from ocrl.sessions import Sessions
 from ocrl.types import Progress, SamplingParams
 
@@ -185,7 +186,7 @@ class Daemon:
         self.api = Api(config, self.engine, loaded.tokenizer, self.sessions, stats=self.stats, events=self.events, control=self)
         self._requeue_backlog()
         # then the turns that had no sample yet: judged again, or waiting for their next state
-        restored = self.sessions.restore(self.records.main_turns(), self.records.next_states(), self.records.journaled())
+        restored = restore(self.sessions, self.records.main_turns(), self.records.next_states(), self.records.journaled())
         if restored["sessions"]:
             log.info(
                 "restored %d sessions of an earlier process: %d turns to judge again, %d waiting for their next state, "

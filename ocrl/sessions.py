@@ -47,7 +47,6 @@ from ocrl.clients import ClientRules
 from ocrl.events import NoEvents
 from ocrl.faults import crash_point
 from ocrl.records import DiskFull, NoRecords
-from ocrl.restore import restore
 from ocrl.session_index import SessionIndex
 from ocrl.turns import Held, MainTurn, Session, Ticket, TurnState, prefix_key, response_message, sample_id
 from ocrl.types import Completion, Hint, Message, Sample, SampleReady, SessionChanged, Turn, TurnServed, Verdict, VerdictReady, Vote
@@ -456,12 +455,6 @@ class Sessions:
             self.counters["samples_promoted"] += 1
         self.submit(sample)
         self.events.publish(SampleReady(sample=sample))
-
-    # -- after a restart --------------------------------------------------------------------
-
-    def restore(self, turns: list[Turn], next_states: dict[str, Message], journaled: dict[str, bool]) -> Counter:
-        """See `ocrl.restore.restore`. Call before `run`."""
-        return restore(self, turns, next_states, journaled)
 
     # -- bookkeeping ------------------------------------------------------------------------
 

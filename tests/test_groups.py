@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import anyio
 
+from ocrl.restore import restore
 from ocrl.records import Records
 from ocrl.types import Completion, Message
 from tests.test_sessions import Harness, judged
@@ -84,7 +85,7 @@ async def test_groups_survive_a_restart(tmp_path):
 
     records = Records(tmp_path)
     second = harness(records)
-    done = second.sessions.restore(records.main_turns(), records.next_states(), records.journaled())
+    done = restore(second.sessions, records.main_turns(), records.next_states(), records.journaled())
     assert (done["sessions"], done["rejudged"], done["open"]) == (2, 1, 2)
     async with anyio.create_task_group() as tg:
         tg.start_soon(second.sessions.run)

@@ -200,7 +200,9 @@ async def test_a_request_joining_a_running_batch_reuses_the_cache(cached, plain)
     prompt = [1, 5, 6, 7, 8, 9, 10]
     first, _ = await both(cached, plain, prompt)
     follow_up = prompt + first.response_ids + [3, 4]
-    long = SamplingParams(max_tokens=60, temperature=1.0, seed=4)  # this seed runs to the length limit
+    long = SamplingParams(max_tokens=60, temperature=1.0, seed=4)
+    for engine in (cached, plain):  # no end-of-sequence token: the long one runs to its length limit
+        engine.eos_ids = set()
     results, order = {}, []
 
     async def early(engine):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import anyio
 import pytest
 
+from ocrl.restore import restore
 from ocrl.sessions import Sessions
 from ocrl.types import Completion, Message, Verdict, Vote
 
@@ -205,7 +206,7 @@ async def test_restore_after_a_crash_judges_again_and_reopens_what_had_no_sample
 
     records = Records(tmp_path)
     second = harness(records)
-    done = second.sessions.restore(records.main_turns(), records.next_states(), records.journaled())
+    done = restore(second.sessions, records.main_turns(), records.next_states(), records.journaled())
     assert (done["sessions"], done["rejudged"], done["open"]) == (1, 1, 1)
     async with anyio.create_task_group() as tg:
         tg.start_soon(second.sessions.run)
@@ -221,4 +222,4 @@ async def test_restore_after_a_crash_judges_again_and_reopens_what_had_no_sample
     assert by_id[f"a:{uid}:1"].score == -1 and by_id[f"a:{uid}:2"].score is None
     # a third process finds nothing left to restore
     records = Records(tmp_path)
-    assert harness(records).sessions.restore(records.main_turns(), records.next_states(), records.journaled())["sessions"] == 0
+    assert restore(harness(records).sessions, records.main_turns(), records.next_states(), records.journaled())["sessions"] == 0
