@@ -7,7 +7,7 @@ three judges behind one `Judge` protocol:
 - `GenerateJudge`, the seed's PRM: m sampled judgements, run concurrently, majority vote.
 - `VerdictJudge`: one forward pass; m votes drawn from the verdict-token probabilities.
 - `EmbedJudge`, the CPU default: a learned head over sentence embeddings of the next state
-  (in `ocrl.embed_judge`, re-exported here).
+  (in `ocrl.judge.embed`, re-exported here).
 
 It also holds `evaluate` / `load_cases` to measure a judge on labelled cases. It knows nothing of
 HTTP, sessions, engines or training: the model calls come in as callables.
@@ -323,9 +323,9 @@ class VerdictJudge:
 
 
 # -- the CPU default: an embedding classifier of the next state ---------------------------------
-# It lives in ocrl.embed_judge (encoder, features, the learned head and its fit); re-exported here
+# It lives in ocrl.judge.embed (encoder, features, the learned head and its fit); re-exported here
 # so every judge is reachable from this module.
-from ocrl.embed_judge import EmbedJudge, SentenceEncoder, tool_failure  # noqa: E402,F401
+from ocrl.judge.embed import EmbedJudge, SentenceEncoder, tool_failure  # noqa: E402,F401
 
 
 # -- the hint judge (--method opd|combine) -----------------------------------------------------

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from ocrl import embed_judge
-from ocrl.embed_judge import EmbedJudge, HeadSettings, fit_head, load_fit_cases, units
+from ocrl.judge import embed as embed_judge
+from ocrl.judge.embed import EmbedJudge, HeadSettings, fit_head, load_fit_cases, units
 from ocrl.prm import evaluate, load_cases
 
 DATA = Path(__file__).parent / "data"

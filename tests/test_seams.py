@@ -18,7 +18,7 @@ KNOWN_CYCLES = {
     frozenset({"ocrl.api", "ocrl.responses"}),
     frozenset({"ocrl.bench", "ocrl.bench.cluster"}),
     frozenset({"ocrl.bench", "ocrl.bench.gpu"}),
-    frozenset({"ocrl.prm", "ocrl.embed_judge"}),
+    frozenset({"ocrl.prm", "ocrl.judge.embed"}),
 }
 
 

@@ -91,7 +91,7 @@ def bench_judge(repeats: int) -> None:
     `repeats` passes, on the threads torch is given."""
     from pathlib import Path
 
-    from ocrl.embed_judge import EmbedJudge, load_fit_cases
+    from ocrl.judge.embed import EmbedJudge, load_fit_cases
 
     cases = load_fit_cases(Path(__file__).resolve().parent.parent / "tests" / "data" / "judge_heldout.jsonl")
     judge = EmbedJudge.load()

@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("ocrl.judge")
 
-FIT_DATA = Path(__file__).with_name("data") / "judge_fit.jsonl"
+FIT_DATA = Path(__file__).resolve().parent.parent / "data" / "judge_fit.jsonl"
 LABELS = (1, -1, 0)  # head output order
 CLASS_NAMES = {1: "positive", -1: "correction", 0: "neutral"}
 ROLES = ("user", "tool")  # anything that is not the user is read as tool output
@@ -302,7 +302,7 @@ class EmbedJudge:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m ocrl.embed_judge [CASES.jsonl ...]`: the embed judge on labelled cases (by
+    """`python -m ocrl.judge.embed [CASES.jsonl ...]`: the embed judge on labelled cases (by
     default the held-out cases and the PRM cases under tests/data), one report per file."""
     import argparse
 
@@ -310,8 +310,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from ocrl import prm
 
-    parser = argparse.ArgumentParser(prog="python -m ocrl.embed_judge", description=main.__doc__)
-    data = Path(__file__).resolve().parent.parent / "tests" / "data"
+    parser = argparse.ArgumentParser(prog="python -m ocrl.judge.embed", description=main.__doc__)
+    data = Path(__file__).resolve().parents[2] / "tests" / "data"
     parser.add_argument("cases", nargs="*", default=[str(data / "judge_heldout.jsonl"), str(data / "prm_cases.jsonl")])
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
