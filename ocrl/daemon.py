@@ -30,6 +30,10 @@ from ocrl.events import Events
 from ocrl.guard import is_loopback
 from ocrl.restore import restore
 from ocrl.sessions import Sessions
+from ocrl.stats import (
+    EngineStats, MemoryStats, PrefixCacheStats, ReplicaStats, RequestStats, RestoredStats, SampleStats, SessionStats, Stats,
+    StorageStats, TrainingStats, strict,
+)  # fmt: skip
 from ocrl.types import Progress, SamplingParams
 
 log = logging.getLogger("ocrl")
@@ -307,35 +311,41 @@ class Daemon:
                 self.samples_send.send_nowait(sample)
                 self.queued += 1
 
-    def stats(self) -> dict:
-        return {
-            "model": self.api.served_name,
-            "weights_version": self.engine.weights_version,
-            "uptime_s": round(time.time() - self.started, 1),
-            "run_dir": str(self.run_dir),
-            "engine": {
-                "queue_depth": self.engine.queue_depth,
-                "active": self.engine.active,
-                "generated_tokens": self.engine.generated_tokens,
-                **({"prefix_cache": cache.stats()} if (cache := getattr(self.engine, "prefix_cache", None)) is not None else {}),
-                **({"replicas": self.engine.stats()} if self.config.replicas else {}),
-            },
-            "memory": {"rss_mb": memory.rss_mb(), **memory.heap()},
-            "requests": self.api.request_log.stats(),
-            "storage": {
-                "full": self.records.full,
-                "unjournaled_samples": len(self.unjournaled),
-                "owed_consumed": self.records.owed_consumed,
-                "dropped_rows": self.records.dropped_rows,
-            },
-            "sessions": self.sessions.stats(),
-            "samples": {
-                "queued": self.samples_send.statistics().current_buffer_used,
-                "journal_backlog_at_start": self.backlog_at_start,
-                "restored_at_start": self.restored,
-            },
-            "training": self._training_stats(),
-        }
+    def stats(self) -> Stats:
+        """The snapshot GET /v1/ocrl/stats serves and the dashboard reads (stats.py)."""
+        engine = self.engine
+        cache = getattr(engine, "prefix_cache", None)
+        replicas = engine.stats() if self.config.replicas else None
+        return Stats(
+            model=self.api.served_name,
+            weights_version=engine.weights_version,
+            uptime_s=round(time.time() - self.started, 1),
+            run_dir=str(self.run_dir),
+            engine=EngineStats(
+                queue_depth=engine.queue_depth,
+                active=engine.active,
+                generated_tokens=engine.generated_tokens,
+                prefix_cache=strict(PrefixCacheStats, cache.stats()) if cache is not None else None,
+                replicas=None if replicas is None else [
+                    strict(ReplicaStats, {**r, "prefix_cache": strict(PrefixCacheStats, r["prefix_cache"])}) for r in replicas
+                ],
+            ),  # fmt: skip
+            memory=strict(MemoryStats, {"rss_mb": memory.rss_mb(), **memory.heap()}),
+            requests=strict(RequestStats, self.api.request_log.stats()),
+            storage=StorageStats(
+                full=self.records.full,
+                unjournaled_samples=len(self.unjournaled),
+                owed_consumed=self.records.owed_consumed,
+                dropped_rows=self.records.dropped_rows,
+            ),
+            sessions=strict(SessionStats, self.sessions.stats()),
+            samples=SampleStats(
+                queued=self.samples_send.statistics().current_buffer_used,
+                journal_backlog_at_start=self.backlog_at_start,
+                restored_at_start=strict(RestoredStats, self.restored),
+            ),
+            training=self._training_stats(),
+        )
 
     # controls the dashboard and /v1/ocrl/* reach
     @property
@@ -353,21 +363,21 @@ class Daemon:
     async def save_checkpoint(self):
         return await self.trainer.save_checkpoint()
 
-    def _training_stats(self) -> dict:
+    def _training_stats(self) -> TrainingStats:
         trainer = self.trainer
         if trainer is None:
-            return {"enabled": False}
-        return {
-            "enabled": True,
-            "method": self.config.method,
-            "paused": trainer.paused,
-            "waiting_for_disk": trainer.waiting_for_disk,
-            "steps": trainer.steps,
-            "pending": trainer.pending,
-            "batch_size": self.config.rollout_batch_size,
-            "consumed_samples": trainer.consumed_samples,
-            "last": trainer.last_metrics,
-        }
+            return TrainingStats(enabled=False)
+        return TrainingStats(
+            enabled=True,
+            method=self.config.method,
+            paused=trainer.paused,
+            waiting_for_disk=trainer.waiting_for_disk,
+            steps=trainer.steps,
+            pending=trainer.pending,
+            batch_size=self.config.rollout_batch_size,
+            consumed_samples=trainer.consumed_samples,
+            last=msgspec.to_builtins(trainer.last_metrics),
+        )
 
     # 3. serve until a signal, then shut down in order
     async def serve(self, *, task_status=anyio.TASK_STATUS_IGNORED) -> None:

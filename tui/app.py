@@ -87,11 +87,11 @@ class Dashboard(App[None]):
     async def _poll_snapshots(self) -> None:
         while True:
             try:
-                snapshot = await self.source.snapshot()
-            except Exception as e:
+                taken = SnapshotTaken(await self.source.snapshot(), time.monotonic(), self.source.event_error)
+            except Exception as e:  # unreachable, refused, or not a snapshot
                 self.main.post_message(SnapshotFailed(describe(e)))
             else:
-                self.main.post_message(SnapshotTaken(snapshot, time.monotonic(), self.source.event_error))
+                self.main.post_message(taken)
             if self.log_capture is not None:
                 self.log_capture.adopt()  # loggers configured since (uvicorn's, at server start)
             await anyio.sleep(self.poll_interval)

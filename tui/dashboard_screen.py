@@ -88,13 +88,13 @@ class DashboardScreen(Screen):
         self.query_one(ProgressPanel).report(message.progress)
 
     def on_snapshot_taken(self, message: SnapshotTaken) -> None:
-        snapshot = message.snapshot
-        self.query_one(StatusLine).apply_snapshot(snapshot, message.problem)
-        self.query_one(EnginePanel).apply_snapshot(snapshot, message.at)
-        if "sessions" in snapshot:
-            self.query_one(SessionsPanel).apply_snapshot(snapshot["sessions"])
-        if "requests" in snapshot:
-            self.query_one(RequestsPanel).apply_snapshot(snapshot["requests"])
+        stats = message.stats
+        self.query_one(StatusLine).apply_snapshot(stats, message.problem)
+        self.query_one(EnginePanel).apply_snapshot(stats, message.at)
+        if stats.sessions is not None:
+            self.query_one(SessionsPanel).apply_snapshot(stats.sessions)
+        if stats.requests is not None:
+            self.query_one(RequestsPanel).apply_snapshot(stats.requests)
 
     def on_snapshot_failed(self, message: SnapshotFailed) -> None:
         self.query_one(StatusLine).error = message.error

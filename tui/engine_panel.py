@@ -7,7 +7,6 @@ version is the newest seen in snapshots, served turns or swaps, whichever came f
 from __future__ import annotations
 
 import time
-from typing import Any
 
 import msgspec
 from rich.table import Table
@@ -15,6 +14,7 @@ from rich.text import Text
 from textual.reactive import reactive
 from textual.widget import Widget
 
+from ocrl.stats import Stats, TrainingStats
 from ocrl.types import TurnServed, WeightsSwapped
 
 
@@ -37,10 +37,10 @@ def ago(seconds: float) -> str:
     return f"{seconds / 3600:.1f}h ago"
 
 
-def _method(training: dict | None, known: str) -> str:
-    if not isinstance(training, dict):
+def _method(training: TrainingStats | None, known: str) -> str:
+    if training is None:
         return known
-    return training.get("method", known) if training.get("enabled") else "off"
+    return (training.method or known) if training.enabled else "off"
 
 
 class EnginePanel(Widget):
@@ -58,23 +58,24 @@ class EnginePanel(Widget):
     def on_mount(self) -> None:
         self.border_title = "engine"
 
-    def apply_snapshot(self, snapshot: dict[str, Any], at: float) -> None:
-        engine = snapshot.get("engine", {})
-        generated = engine.get("generated_tokens", 0)
-        rate = self.state.tokens_per_s
-        if self._previous is not None and at > self._previous[0] and generated >= self._previous[1]:
-            rate = (generated - self._previous[1]) / (at - self._previous[0])
-        self._previous = (at, generated)
-        self.state = msgspec.structs.replace(
+    def apply_snapshot(self, stats: Stats, at: float) -> None:
+        state = msgspec.structs.replace(
             self.state,
-            model=snapshot.get("model", self.state.model),
-            weights_version=max(self.state.weights_version, snapshot.get("weights_version", 0)),
-            tokens_per_s=rate,
-            queue_depth=engine.get("queue_depth", 0),
-            active=engine.get("active", 0),
-            generated_tokens=generated,
-            method=_method(snapshot.get("training"), self.state.method),
+            model=stats.model or self.state.model,
+            weights_version=max(self.state.weights_version, stats.weights_version),
+            method=_method(stats.training, self.state.method),
         )
+        engine = stats.engine
+        if engine is not None:  # None while the daemon loads
+            generated = engine.generated_tokens
+            rate = state.tokens_per_s
+            if self._previous is not None and at > self._previous[0] and generated >= self._previous[1]:
+                rate = (generated - self._previous[1]) / (at - self._previous[0])
+            self._previous = (at, generated)
+            state = msgspec.structs.replace(
+                state, tokens_per_s=rate, queue_depth=engine.queue_depth, active=engine.active, generated_tokens=generated
+            )
+        self.state = state
 
     def turn_served(self, turn: TurnServed) -> None:
         self.state = msgspec.structs.replace(

@@ -11,6 +11,7 @@ from typing import Any
 
 from textual.message import Message
 
+from ocrl.stats import Stats, read
 from ocrl.types import Event, Progress
 
 
@@ -34,12 +35,14 @@ class ProgressUpdated(Message):
 
 
 class SnapshotTaken(Message):
-    """The daemon's stats, polled; `at` is time.monotonic() when it was read; `problem` says
-    why events are not arriving (a daemon without the event stream, a dropped connection)."""
+    """The daemon's stats, polled, as the one `Stats` type (ocrl/stats.py: a snapshot given as
+    decoded JSON is converted here, and a value of the wrong type raises); `at` is
+    time.monotonic() when it was read; `problem` says why events are not arriving (a daemon
+    without the event stream, a dropped connection)."""
 
-    def __init__(self, snapshot: dict[str, Any], at: float, problem: str | None = None) -> None:
+    def __init__(self, snapshot: Stats | dict[str, Any], at: float, problem: str | None = None) -> None:
         super().__init__()
-        self.snapshot = snapshot
+        self.stats = read(snapshot)
         self.at = at
         self.problem = problem
 

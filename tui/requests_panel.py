@@ -5,13 +5,13 @@ operator sees a client being turned away here without reading the log.
 
 from __future__ import annotations
 
-from typing import Any
-
 import msgspec
 from rich.table import Table
 from rich.text import Text
 from textual.reactive import reactive
 from textual.widget import Widget
+
+from ocrl.stats import RequestStats
 
 
 class RequestCounts(msgspec.Struct, frozen=True):
@@ -34,12 +34,11 @@ class RequestsPanel(Widget):
     def on_mount(self) -> None:
         self.border_title = "requests"
 
-    def apply_snapshot(self, requests: dict[str, Any]) -> None:
-        refused = requests.get("refused") or {}
+    def apply_snapshot(self, requests: RequestStats) -> None:
         self.counts = RequestCounts(
-            total=requests.get("total", 0),
-            refused_total=requests.get("refused_total", sum(refused.values())),
-            refused=tuple(sorted(refused.items(), key=lambda item: (-item[1], item[0]))),
+            total=requests.total,
+            refused_total=requests.refused_total,
+            refused=tuple(sorted(requests.refused.items(), key=lambda item: (-item[1], item[0]))),
         )
 
     def render(self) -> Table:

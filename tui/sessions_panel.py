@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from typing import Any
 
 import msgspec
 from rich.console import Group
@@ -16,6 +15,7 @@ from rich.text import Text
 from textual.reactive import reactive
 from textual.widget import Widget
 
+from ocrl.stats import SessionStats
 from ocrl.types import SampleReady, SessionChanged, TurnServed
 from tui.engine_panel import ago
 
@@ -53,17 +53,17 @@ class SessionsPanel(Widget):
     def on_mount(self) -> None:
         self.border_title = "sessions"
 
-    def apply_snapshot(self, sessions: dict[str, Any]) -> None:
+    def apply_snapshot(self, sessions: SessionStats) -> None:
         self.counters = SessionCounters(
-            open=sessions.get("sessions_open", 0),
-            main_turns=sessions.get("main_turns", 0),
-            waiting=sessions.get("sessions_waiting_next_state", 0),
-            judging=sessions.get("judging", 0),
-            closed=sessions.get("sessions_closed", 0),
-            mask1=sessions.get("samples_mask1", 0),
-            mask0=sessions.get("samples_mask0", 0),
-            promoted=sessions.get("samples_promoted", 0),
-            truncated=sessions.get("votes_truncated", 0) + sessions.get("hint_votes_truncated", 0),
+            open=sessions.sessions_open,
+            main_turns=sessions.main_turns,
+            waiting=sessions.sessions_waiting_next_state,
+            judging=sessions.judging,
+            closed=sessions.sessions_closed,
+            mask1=sessions.samples_mask1,
+            mask0=sessions.samples_mask0,
+            promoted=sessions.samples_promoted,
+            truncated=sessions.votes_truncated + sessions.hint_votes_truncated,
         )
 
     def observe(self, event: SessionChanged | TurnServed | SampleReady) -> None:

@@ -5,7 +5,7 @@ three things a person can ask of a running daemon (pause, resume, save a checkpo
 
     GET  {url}/v1/ocrl/events           SSE; each `data:` line is one msgspec-JSON Event; the
                                         daemon replays its recent history, then streams live
-    GET  {url}/v1/ocrl/stats            the daemon's stats dict (the snapshot)
+    GET  {url}/v1/ocrl/stats            the daemon's stats snapshot (ocrl/stats.py's Stats)
     POST {url}/v1/ocrl/train/pause      pause training
     POST {url}/v1/ocrl/train/resume     resume training
     POST {url}/v1/ocrl/checkpoint       save a checkpoint now; answers {"checkpoint": str | null}
@@ -24,6 +24,7 @@ from typing import Any
 import anyio
 import msgspec
 
+from ocrl.stats import Stats
 from ocrl.types import Event, Sample
 
 PROMPT_TAIL_TOKENS = 256  # how much of a sample's prompt the detail view shows
@@ -62,8 +63,9 @@ class Source:
         await anyio.sleep_forever()
         yield  # pragma: no cover  (makes this an async generator)
 
-    async def snapshot(self) -> dict[str, Any]:
-        return {}
+    async def snapshot(self) -> Stats | dict[str, Any]:
+        """The stats: a `Stats`, or its JSON decoded (the dashboard converts it)."""
+        return Stats()
 
     async def pause(self) -> None:
         raise ActionUnavailable("this source cannot pause training")
@@ -97,10 +99,10 @@ class LocalSource(Source):
             async for event in subscription:
                 yield event
 
-    async def snapshot(self) -> dict[str, Any]:
+    async def snapshot(self) -> Stats | dict[str, Any]:
         if getattr(self.daemon, "api", None) is None:  # still building: nothing to count yet
             run_dir = getattr(self.daemon, "run_dir", None)
-            return {"run_dir": str(run_dir)} if run_dir else {}
+            return Stats(run_dir=str(run_dir) if run_dir else "")
         return self.daemon.stats()
 
     def _control(self):
@@ -227,7 +229,7 @@ class RemoteSource(Source):
             await anyio.sleep(delay)
             delay = min(delay * 2, 10.0)
 
-    async def snapshot(self) -> dict[str, Any]:
+    async def snapshot(self) -> Stats | dict[str, Any]:
         try:
             reply = await self._client.get("/v1/ocrl/stats")
         except self._httpx.HTTPError as e:

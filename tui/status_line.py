@@ -3,22 +3,22 @@ and whether the dashboard can reach it."""
 
 from __future__ import annotations
 
-from typing import Any
-
 from rich.text import Text
 from textual.reactive import reactive
 from textual.widget import Widget
 
+from ocrl.stats import Stats
+
 TRAINING_STYLES = {"running": "bold #9ece6a", "paused": "bold #e0af68", "off": "dim", "?": "dim"}
 
 
-def training_state(snapshot: dict[str, Any]) -> str:
-    training = snapshot.get("training")
-    if not training:
+def training_state(stats: Stats) -> str:
+    training = stats.training
+    if training is None:
         return "?"
-    if not training.get("enabled"):
+    if not training.enabled:
         return "off"
-    return "paused" if training.get("paused") else "running"
+    return "paused" if training.paused else "running"
 
 
 class StatusLine(Widget):
@@ -36,16 +36,12 @@ class StatusLine(Widget):
         super().__init__(**kwargs)
         self.url = url
 
-    def apply_snapshot(self, snapshot: dict[str, Any], problem: str | None = None) -> None:
+    def apply_snapshot(self, stats: Stats, problem: str | None = None) -> None:
         self.error = problem
-        self.run_dir = snapshot.get("run_dir", self.run_dir)
-        self.training = training_state(snapshot)
-        training = snapshot.get("training") or {}
-        self.steps = (
-            f"step {training.get('steps', 0)} · pending {training.get('pending', 0)}/{training.get('batch_size', '?')}"
-            if training.get("enabled")
-            else ""
-        )
+        self.run_dir = stats.run_dir or self.run_dir
+        self.training = training_state(stats)
+        training = stats.training
+        self.steps = f"step {training.steps} · pending {training.pending}/{training.batch_size}" if training and training.enabled else ""
 
     def render(self) -> Text:
         text = Text(no_wrap=True, overflow="ellipsis")

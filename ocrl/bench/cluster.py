@@ -64,9 +64,9 @@ async def measure(config, repeats: int, max_tokens: int, burst: int) -> dict:
         result = {
             "latency_s": statistics.median(latency),
             "tokens_per_s": statistics.median(rates),
-            "daemon_rss_mb": stats["memory"]["rss_mb"],
-            "replica_rss_mb": [r["rss_mb"] for r in stats["engine"].get("replicas", [])],
-            "routed": [r["routed"] for r in stats["engine"].get("replicas", [])],
+            "daemon_rss_mb": stats.memory.rss_mb,
+            "replica_rss_mb": [r.rss_mb for r in stats.engine.replicas or []],
+            "routed": [r.routed for r in stats.engine.replicas or []],
         }
     return result
 
