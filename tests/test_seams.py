@@ -16,8 +16,6 @@ OCRL = Path(__file__).resolve().parent.parent / "ocrl"
 KNOWN_CYCLES = {
     frozenset({"ocrl.api", "ocrl.completions"}),
     frozenset({"ocrl.api", "ocrl.responses"}),
-    frozenset({"ocrl.bench", "ocrl.bench.cluster"}),
-    frozenset({"ocrl.bench", "ocrl.bench.gpu"}),
     frozenset({"ocrl.prm", "ocrl.judge.embed"}),
 }
 

@@ -25,7 +25,8 @@ from ocrl.records import Records
 from ocrl.train.batch import pack, sample_problem
 from ocrl.train.checkpoint import checkpoints
 from ocrl.train.metrics import METRIC_KEYS
-from ocrl.train.trainer import Trainer, _Pending
+from ocrl.train.prefetch import Pending as _Pending
+from ocrl.train.trainer import Trainer
 from ocrl.types import Progress, Sample, TrainStep, WeightsSwapped
 
 LORA_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

@@ -16,7 +16,7 @@ import time
 import anyio
 import msgspec
 
-from ocrl.bench import PROMPTS
+from ocrl.bench.prompts import PROMPTS
 from ocrl.bench.serving import serving
 
 

@@ -200,7 +200,7 @@ def print_table(data: dict) -> None:
 
 async def bench_engine(which: str, config, loaded, batches: list[int], max_tokens: int, repeats: int) -> dict:
     from ocrl import chat
-    from ocrl.bench import bare_step_fn
+    from ocrl.bench.train import bare_step_fn
     from ocrl.engine.select import build_engine
     from ocrl.train.policy import verify_relative, verify_tolerance
     from ocrl.train.trainer import Trainer

@@ -43,6 +43,14 @@ class CheckpointState(msgspec.Struct):
     probe: tuple[list[int], list[int]] | None = None
 
 
+def directory(save_dir: str | None, record_dir: str | Path | None) -> Path | None:
+    """Where checkpoints go: --save-dir, else `checkpoints/` in the run's record dir, else
+    nowhere (None: a run that keeps no records keeps no checkpoints unless told where)."""
+    if save_dir:
+        return Path(save_dir)
+    return Path(record_dir) / "checkpoints" if record_dir is not None else None
+
+
 def checkpoints(directory: Path) -> list[Path]:
     """Complete checkpoints under `directory` (a state.json is written last), oldest first."""
     if not directory.is_dir():

@@ -4,13 +4,20 @@ step's metrics row.
 `LossSums` adds up each micro-batch's diagnostics weighted by what they are means over (samples
 or tokens) and divides once, so the step reports the full-batch numbers whatever the packing.
 `StepMetrics` is the row a step records, publishes and returns; a field renamed here fails where
-it is built, instead of reading as missing downstream. Knows dictionaries of floats from the
-loss, never models or samples.
+it is built, instead of reading as missing downstream. `note_teacher` adds a micro-batch's
+teacher advantage (--method opd|combine) to the sums and returns the distilled records' rows.
+Knows the loss's diagnostics and a micro-batch's tensors, never models, the optimizer or the
+engine.
 """
 
 from __future__ import annotations
 
 import msgspec
+import torch
+
+from ocrl.train.loss import opd_advantages
+from ocrl.train.policy import TeacherRows
+from ocrl.types import Sample
 
 # Every step's row has these (the distillation fields only with --method opd|combine).
 METRIC_KEYS = (
@@ -78,6 +85,27 @@ class LossSums(msgspec.Struct):
             if topk:
                 out["distill_kl"] = self.distill_kl / max(self.distilled, 1)
         return out
+
+
+def note_teacher(
+    sums: LossSums, group: list[Sample], mask: torch.Tensor, old: torch.Tensor, teacher: TeacherRows, diagnostics: dict[str, float]
+) -> list[dict]:
+    """The teacher advantage (teacher - old) of a micro-batch's distilled samples: added to
+    `sums` for the metrics, and returned per sample for the distilled records. `mask` (B, R) is
+    the micro-batch's loss mask, `old` (B, R) its old log-probs."""
+    taught_mask = mask & teacher.distilled.unsqueeze(-1)  # (B, R)
+    gap = opd_advantages(teacher.logprobs, old, taught_mask)  # (B, R)
+    rows = int(teacher.distilled.sum())
+    sums.add_teacher(rows=rows, tokens=int(taught_mask.sum()), advantage=gap.sum().item(), diagnostics=diagnostics)
+    distilled = []
+    for row, sample in enumerate(group):
+        if teacher.distilled[row]:
+            n = int(taught_mask[row].sum())
+            distilled.append({
+                "sample_id": sample.sample_id, "hint": sample.hint, "experience": len(sample.experience),
+                "teacher_advantage": gap[row].sum().item() / max(n, 1), "tokens": n,
+            })  # fmt: skip
+    return distilled
 
 
 class StepMetrics(msgspec.Struct, kw_only=True):

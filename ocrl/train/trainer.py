@@ -5,7 +5,8 @@ never sessions or HTTP. It reaches the engine only through `update_weights` (the
 under a new `weights_version`) and `score` (a teacher-forced probe that proves the swap landed).
 The pieces it narrates live beside it: the models and their forwards in policy.py, the loss in
 loss.py, micro-batches in batch.py, yielding to serving in give_way.py, the metrics row in
-metrics.py, the swap and its probe in swap.py, checkpoints in checkpoint.py.
+metrics.py, the swap and its probe in swap.py, checkpoints in checkpoint.py, and the reference
+work done while a batch fills in prefetch.py.
 
 One step (`step`), in order:
  1. pack the batch into micro-batches under a token budget (a long sample goes alone);
@@ -21,11 +22,8 @@ Serving comes first: the torch work of a step waits at yield points while the en
 up to `train_yield_max` seconds per step (see give_way.py).
 
 While `run` waits for a batch to fill (most of the time, online), it prefetches the reference
-log-probs of each pending sample, one sample at a time and only while serving is idle: the
-reference never changes, so they are the numbers the step would compute, off its critical
-path. A prefetch gives way at once when a request arrives (it is abandoned and redone later).
-The probe cannot be prefetched or reused from the step: it must be scored with the weights
-after the optimizer step.
+log-probs of each pending sample while serving is idle (see prefetch.py). The probe cannot be
+prefetched or reused from the step: it must be scored with the weights after the optimizer step.
 
 "Recompute" old log-probs are taken from the policy forward of step 2, detached: each batch
 gets exactly one optimizer step and the weights do not move between micro-batches, so that
@@ -38,62 +36,28 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import anyio
 import torch
 
 from ocrl import memory
+from ocrl.events import NoEvents
 from ocrl.faults import crash_point
+from ocrl.records import NoRecords
 from ocrl.train import checkpoint
 from ocrl.train.batch import MicroBatch, pack, probe_sample, sample_problem, split_prompt
-from ocrl.train.give_way import GiveWay, Preempted, YieldTo
-from ocrl.train.loss import TopKTeacher, method_advantages, opd_advantages, policy_loss
-from ocrl.train.metrics import LossSums, StepMetrics
-from ocrl.train.policy import Policy, Teacher, TeacherRows
+from ocrl.train.give_way import GiveWay, YieldTo
+from ocrl.train.loss import TopKTeacher, method_advantages, policy_loss
+from ocrl.train.metrics import LossSums, StepMetrics, note_teacher
+from ocrl.train.policy import Policy, Teacher
+from ocrl.train.prefetch import Pending, Prefetcher
 from ocrl.train.swap import swap
 from ocrl.types import Sample, TrainStep
 
 log = logging.getLogger("ocrl.train")
 
-PREFETCH_POLL = 0.02  # seconds between looks at the engine while a prefetch waits to start
 DISK_POLL = 1.0  # seconds between looks at the records while the disk is full
-
-
-class _NoRecords:
-    dir = None
-    full = False
-
-    def metric(self, row: dict) -> None:
-        pass
-
-    def distill(self, rows: list[dict]) -> None:
-        pass
-
-    def consumed(self, sample_ids: list[str], step: int | None = None) -> None:
-        pass
-
-    def forget_token_ids(self, through_step: int, keep: int = 0) -> int:
-        return 0
-
-
-class _NoEvents:
-    def publish(self, event) -> None:
-        pass
-
-    def log(self, level: str, message: str) -> None:
-        pass
-
-
-@dataclass(eq=False)
-class _Pending:
-    """A sample waiting for its batch, with its reference (and teacher) log-probs once prefetched."""
-
-    sample: Sample
-    reference: torch.Tensor | None = None  # (R,)
-    teacher: Teacher | None = None
-    prefetched: bool = False  # everything the step would compute for it is here
 
 
 class Trainer(Policy):
@@ -118,8 +82,8 @@ class Trainer(Policy):
         self.engine = engine
         self.give_way = GiveWay(yield_to, engine)
         self.give_way.attach(self.model, self.reference)
-        self.records = records if records is not None else _NoRecords()
-        self.events = events if events is not None else _NoEvents()
+        self.records = records if records is not None else NoRecords()
+        self.events = events if events is not None else NoEvents()
         self.verify_atol = verify_atol  # fp32 engines agree to ~1e-6; a bf16 engine needs more
         self.verify_rtol = verify_rtol  # and a 16-bit one's gap grows with |log-prob| (verify_relative)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
@@ -132,29 +96,106 @@ class Trainer(Policy):
         self.last_metrics: dict[str, float] = {}
         self.probe: Sample | None = None  # the last step's first sample: proves each swap landed
         self.distilled_rows: list[dict] = []  # the last step's distilled samples and their teacher advantages
-        if config.save_dir:
-            self.save_dir: Path | None = Path(config.save_dir)
-        elif getattr(self.records, "dir", None) is not None:
-            self.save_dir = Path(self.records.dir) / "checkpoints"
-        else:
-            self.save_dir = None
+        self.save_dir = checkpoint.directory(config.save_dir, self.records.dir)
         self._saved_step = 0
         self._lock = anyio.Lock()  # a step, a prefetch and a checkpoint never interleave
-        self._pending: list[_Pending] = []
+        self.prefetcher = Prefetcher(self, self.give_way, self._lock)
+        self._pending: list[Pending] = []
         self._paused = False
         self.waiting_for_disk = False  # steps wait while the records cannot be written
         self._wake = anyio.Event()  # for the step loop: a sample arrived, or resume
-        self._arrived = anyio.Event()  # for the prefetch: the same
 
     # -- one step ---------------------------------------------------------------------------
 
-    def _advantages(self, micro: MicroBatch, old: torch.Tensor, teacher: torch.Tensor | None, distilled: torch.Tensor | None) -> torch.Tensor:
-        """A_t by --method (see loss.method_advantages)."""
-        config = self.config
-        return method_advantages(
-            config.method, micro.rewards, micro.loss_mask, old, teacher, distilled,
-            w_rl=config.w_rl, w_opd=config.w_opd, topk=config.distill_topk > 0,
-        )  # fmt: skip
+    async def step(self, batch: list[Sample], references: list[torch.Tensor | None] | None = None) -> dict[str, float]:
+        """One optimizer step on `batch`, then publish, verify, record. Returns the metrics row.
+        `references`: each sample's reference log-probs where already known, else None."""
+        references = references if references is not None else [None] * len(batch)
+        if len(references) != len(batch):
+            raise ValueError(f"{len(references)} references for {len(batch)} samples")
+        return await self._step([Pending(s, r, prefetched=r is not None) for s, r in zip(batch, references)])
+
+    async def _step(self, entries: list[Pending]) -> dict[str, float] | None:
+        """One step on `entries`. With --batch-counts all (rl) mask-0 samples may be among them:
+        they count toward the batch and its divisor, but no forward runs on them; a batch of only
+        those is consumed without an optimizer step (None is returned)."""
+        drawn = [entry.sample for entry in entries]
+        counts_untrained = self.config.counts_untrained
+        for sample in drawn:
+            if problem := sample_problem(sample, untrained_ok=counts_untrained):
+                raise ValueError(f"sample {sample.sample_id}: {problem}")
+        if not drawn:
+            raise ValueError("empty batch")
+        entries = [entry for entry in entries if entry.sample.effective]
+        batch = [entry.sample for entry in entries]
+        if not batch:
+            self.records.consumed([s.sample_id for s in drawn])
+            self.consumed_samples += len(drawn)
+            log.info("a batch of %d mask-0 samples: consumed without a step", len(drawn))
+            return None
+        async with self._lock:
+            # read under the lock: a prefetch in flight when the batch was taken has landed
+            references = [entry.reference for entry in entries]
+            teachers = [entry.teacher for entry in entries]
+            for sample, reference in zip(batch, references):
+                if reference is not None and reference.shape != (sample.response_length,):
+                    raise ValueError(f"sample {sample.sample_id}: reference shape {tuple(reference.shape)}")
+            # 1-3. micro-batched gradients, clip, AdamW; merged weights and our probe log-probs
+            self.probe = probe_sample(*split_prompt(batch[0]))
+            trained, tensors, probe_logprobs = await anyio.to_thread.run_sync(self._train, batch, references, teachers, len(drawn))
+            crash_point("train_step")
+            self.steps += 1
+            self.consumed_samples += len(drawn)
+            # 4-5. swap into the engine as the next version, and check it serves what we trained
+            swap_seconds, verified, probe_diff = await self._publish(tensors, self.version + 1, probe_logprobs)
+            # 6. record
+            metrics = StepMetrics(
+                **trained,
+                reward_mean=sum(s.reward for s in drawn) / len(drawn),
+                masked_fraction=sum(sum(s.loss_mask) for s in drawn) / sum(s.response_length for s in drawn),
+                tokens=float(sum(len(s.tokens) for s in batch)),
+                samples=float(len(drawn)),
+                trained_samples=float(len(batch)),
+                prefetched=sum(e.prefetched or not self.prefetcher.needs(e.sample) for e in entries) / len(batch),
+                swap_seconds=swap_seconds,
+                verified=float(verified),
+                probe_diff=probe_diff,
+            ).as_dict()
+            self.last_metrics = metrics
+            row = {"step": self.steps, "weights_version": self.version, **metrics}
+            # consumed first: a reader that sees the metrics row sees the whole batch marked used
+            self.records.consumed([s.sample_id for s in drawn], step=self.steps)
+            self.records.metric(row)
+            if self.distilled_rows:
+                self.records.distill([{"step": self.steps, **r} for r in self.distilled_rows])
+            self.events.publish(TrainStep(
+                step=self.steps, weights_version=self.version, metrics=metrics,
+                teacher_advantages={r["sample_id"]: r["teacher_advantage"] for r in self.distilled_rows},
+            ))
+            return row
+
+    def _train(
+        self, batch: list[Sample], references: list[torch.Tensor | None] | None = None, teachers: list[Teacher | None] | None = None,
+        count: int | None = None,
+    ) -> tuple[dict[str, float], dict[str, torch.Tensor], torch.Tensor]:
+        """The torch part of a step (a worker thread): gradients, clip, AdamW, merge, probe.
+        Gives way to serving at its yield points; step_seconds excludes that wait."""
+        started = time.perf_counter()
+        with self.give_way.within(self.config.train_yield_max) as waited:
+            metrics = self.accumulate_gradients(batch, references, teachers, count=count)
+            max_norm = self.config.grad_clip if self.config.grad_clip > 0 else math.inf
+            metrics["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
+            if math.isfinite(metrics["grad_norm"]):
+                self.optimizer.step()
+            else:  # one poisoned batch must not wreck the weights being served
+                log.warning("skipping the update: gradient norm is %s", metrics["grad_norm"])
+            self.optimizer.zero_grad(set_to_none=True)
+            tensors = self.published_weights()
+            self.give_way.point()
+            probe_logprobs = self.response_logprobs([self.probe])[0]
+        metrics["yield_seconds"] = waited.spent
+        metrics["step_seconds"] = time.perf_counter() - started - waited.spent
+        return metrics, tensors, probe_logprobs
 
     def accumulate_gradients(
         self, batch: list[Sample], references: list[torch.Tensor | None] | None = None, teachers: list[Teacher | None] | None = None,
@@ -211,135 +252,16 @@ class Trainer(Policy):
             mismatch = torch.where(mask, policy.logprobs.detach() - micro.rollout_logprobs, 0.0).abs().sum().item()
             sums.add(diagnostics, samples=len(group), tokens=int(mask.sum()), mismatch=mismatch)
             if teacher is not None:
-                self._note_teacher(group, mask, old, teacher, diagnostics, sums)
+                self.distilled_rows += note_teacher(sums, group, mask, old, teacher, diagnostics)
         return sums.means(distill=distill, topk=topk)
 
-    def _note_teacher(
-        self, group: list[Sample], mask: torch.Tensor, old: torch.Tensor, teacher: TeacherRows, diagnostics: dict[str, float], sums: LossSums
-    ) -> None:
-        """The teacher advantage (teacher - old) of a micro-batch's distilled samples, for the
-        metrics and the distilled records."""
-        taught_mask = mask & teacher.distilled.unsqueeze(-1)  # (B, R)
-        gap = opd_advantages(teacher.logprobs, old, taught_mask)  # (B, R)
-        rows = int(teacher.distilled.sum())
-        sums.add_teacher(rows=rows, tokens=int(taught_mask.sum()), advantage=gap.sum().item(), diagnostics=diagnostics)
-        for row, sample in enumerate(group):
-            if teacher.distilled[row]:
-                n = int(taught_mask[row].sum())
-                self.distilled_rows.append({
-                    "sample_id": sample.sample_id, "hint": sample.hint, "experience": len(sample.experience),
-                    "teacher_advantage": gap[row].sum().item() / max(n, 1), "tokens": n,
-                })  # fmt: skip
-
-    def _train(
-        self, batch: list[Sample], references: list[torch.Tensor | None] | None = None, teachers: list[Teacher | None] | None = None,
-        count: int | None = None,
-    ) -> tuple[dict[str, float], dict[str, torch.Tensor], torch.Tensor]:
-        """The torch part of a step (a worker thread): gradients, clip, AdamW, merge, probe.
-        Gives way to serving at its yield points; step_seconds excludes that wait."""
-        started = time.perf_counter()
-        with self.give_way.within(self.config.train_yield_max) as waited:
-            metrics = self.accumulate_gradients(batch, references, teachers, count=count)
-            max_norm = self.config.grad_clip if self.config.grad_clip > 0 else math.inf
-            metrics["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
-            if math.isfinite(metrics["grad_norm"]):
-                self.optimizer.step()
-            else:  # one poisoned batch must not wreck the weights being served
-                log.warning("skipping the update: gradient norm is %s", metrics["grad_norm"])
-            self.optimizer.zero_grad(set_to_none=True)
-            tensors = self.published_weights()
-            self.give_way.point()
-            probe_logprobs = self.response_logprobs([self.probe])[0]
-        metrics["yield_seconds"] = waited.spent
-        metrics["step_seconds"] = time.perf_counter() - started - waited.spent
-        return metrics, tensors, probe_logprobs
-
-    def _needs_prefetch(self, sample: Sample) -> bool:
-        """Whether a step would run the reference for it: its KL term (unless --kl-coef 0) or
-        its teacher (a distilled sample, --method opd|combine); never for a mask-0 sample."""
-        if not sample.effective:
-            return False
-        return self.config.kl_coef != 0 or (sample.distilled and self.config.method != "rl")
-
-    def _prefetch(self, entry: _Pending) -> None:
-        """A pending sample's reference log-probs (unless --kl-coef 0) and, when it is distilled,
-        its teacher's (a worker thread); left as it was when a request arrived meanwhile and the
-        work was abandoned."""
-        sample = entry.sample
-        with self.give_way.preemptible():
-            try:
-                reference = self.response_logprobs([sample], reference=True)[0] if self.config.kl_coef != 0 else None
-                teacher = self.teacher_logprobs([sample])[0] if sample.distilled and self.config.method != "rl" else None
-            except Preempted:
-                return
-        entry.reference, entry.teacher, entry.prefetched = reference, teacher, True
-
-    async def step(self, batch: list[Sample], references: list[torch.Tensor | None] | None = None) -> dict[str, float]:
-        """One optimizer step on `batch`, then publish, verify, record. Returns the metrics row.
-        `references`: each sample's reference log-probs where already known, else None."""
-        references = references if references is not None else [None] * len(batch)
-        if len(references) != len(batch):
-            raise ValueError(f"{len(references)} references for {len(batch)} samples")
-        return await self._step([_Pending(s, r, prefetched=r is not None) for s, r in zip(batch, references)])
-
-    async def _step(self, entries: list[_Pending]) -> dict[str, float] | None:
-        """One step on `entries`. With --batch-counts all (rl) mask-0 samples may be among them:
-        they count toward the batch and its divisor, but no forward runs on them; a batch of only
-        those is consumed without an optimizer step (None is returned)."""
-        drawn = [entry.sample for entry in entries]
-        counts_untrained = self.config.counts_untrained
-        for sample in drawn:
-            if problem := sample_problem(sample, untrained_ok=counts_untrained):
-                raise ValueError(f"sample {sample.sample_id}: {problem}")
-        if not drawn:
-            raise ValueError("empty batch")
-        entries = [entry for entry in entries if entry.sample.effective]
-        batch = [entry.sample for entry in entries]
-        if not batch:
-            self.records.consumed([s.sample_id for s in drawn])
-            self.consumed_samples += len(drawn)
-            log.info("a batch of %d mask-0 samples: consumed without a step", len(drawn))
-            return None
-        async with self._lock:
-            # read under the lock: a prefetch in flight when the batch was taken has landed
-            references = [entry.reference for entry in entries]
-            teachers = [entry.teacher for entry in entries]
-            for sample, reference in zip(batch, references):
-                if reference is not None and reference.shape != (sample.response_length,):
-                    raise ValueError(f"sample {sample.sample_id}: reference shape {tuple(reference.shape)}")
-            # 1-3. micro-batched gradients, clip, AdamW; merged weights and our probe log-probs
-            self.probe = probe_sample(*split_prompt(batch[0]))
-            trained, tensors, probe_logprobs = await anyio.to_thread.run_sync(self._train, batch, references, teachers, len(drawn))
-            crash_point("train_step")
-            self.steps += 1
-            self.consumed_samples += len(drawn)
-            # 4-5. swap into the engine as the next version, and check it serves what we trained
-            swap_seconds, verified, probe_diff = await self._publish(tensors, self.version + 1, probe_logprobs)
-            # 6. record
-            metrics = StepMetrics(
-                **trained,
-                reward_mean=sum(s.reward for s in drawn) / len(drawn),
-                masked_fraction=sum(sum(s.loss_mask) for s in drawn) / sum(s.response_length for s in drawn),
-                tokens=float(sum(len(s.tokens) for s in batch)),
-                samples=float(len(drawn)),
-                trained_samples=float(len(batch)),
-                prefetched=sum(e.prefetched or not self._needs_prefetch(e.sample) for e in entries) / len(batch),
-                swap_seconds=swap_seconds,
-                verified=float(verified),
-                probe_diff=probe_diff,
-            ).as_dict()
-            self.last_metrics = metrics
-            row = {"step": self.steps, "weights_version": self.version, **metrics}
-            # consumed first: a reader that sees the metrics row sees the whole batch marked used
-            self.records.consumed([s.sample_id for s in drawn], step=self.steps)
-            self.records.metric(row)
-            if self.distilled_rows:
-                self.records.distill([{"step": self.steps, **r} for r in self.distilled_rows])
-            self.events.publish(TrainStep(
-                step=self.steps, weights_version=self.version, metrics=metrics,
-                teacher_advantages={r["sample_id"]: r["teacher_advantage"] for r in self.distilled_rows},
-            ))
-            return row
+    def _advantages(self, micro: MicroBatch, old: torch.Tensor, teacher: torch.Tensor | None, distilled: torch.Tensor | None) -> torch.Tensor:
+        """A_t by --method (see loss.method_advantages)."""
+        config = self.config
+        return method_advantages(
+            config.method, micro.rewards, micro.loss_mask, old, teacher, distilled,
+            w_rl=config.w_rl, w_opd=config.w_opd, topk=config.distill_topk > 0,
+        )  # fmt: skip
 
     async def _publish(
         self, tensors: dict[str, torch.Tensor], version: int, probe_logprobs: torch.Tensor | None
@@ -380,7 +302,13 @@ class Trainer(Policy):
     def resume(self) -> None:
         self._paused = False
         self._wake.set()
-        self._arrived.set()
+        self.prefetcher.arrived()
+
+    def _needs_prefetch(self, sample: Sample) -> bool:  # the prefetcher's, reached from the trainer
+        return self.prefetcher.needs(sample)
+
+    def _prefetch(self, entry: Pending) -> None:  # one sample's prefetch, now (a worker thread)
+        self.prefetcher.prefetch(entry)
 
     async def run(self, samples) -> None:
         """Step on every `rollout_batch_size` samples from the stream until it closes or we are
@@ -396,32 +324,17 @@ class Trainer(Policy):
                     if problem := sample_problem(sample, untrained_ok=self.config.counts_untrained):
                         log.warning("dropping sample %s: %s", sample.sample_id, problem)
                         continue
-                    self._pending.append(_Pending(sample))
+                    self._pending.append(Pending(sample))
                     self._wake.set()
-                    self._arrived.set()
+                    self.prefetcher.arrived()
             closed = True
             self._wake.set()
-
-        async def prefetch() -> None:
-            """Reference log-probs of pending samples, oldest first, while serving is idle."""
-            while True:
-                entry = next((e for e in self._pending if not e.prefetched and self._needs_prefetch(e.sample)), None)
-                if entry is None or self._paused:
-                    await self._arrived.wait()
-                    self._arrived = anyio.Event()
-                    continue
-                if self.give_way.busy():
-                    await anyio.sleep(PREFETCH_POLL)
-                    continue
-                async with self._lock:  # never alongside a step's torch work
-                    if entry in self._pending and not entry.prefetched:  # not taken by a step meanwhile
-                        await anyio.to_thread.run_sync(self._prefetch, entry)
 
         size = max(1, self.config.rollout_batch_size)
         try:
             async with anyio.create_task_group() as tasks:
                 tasks.start_soon(read)
-                tasks.start_soon(prefetch)
+                tasks.start_soon(self.prefetcher.run, self._pending, lambda: self.paused)
                 while True:
                     if self.records.full and len(self._pending) >= size and not self._paused:
                         # a step now could not mark its samples consumed (nor checkpoint): wait
