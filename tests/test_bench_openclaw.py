@@ -20,7 +20,7 @@ def _fake_install(folder, node_version: str):
 
 
 def test_a_folder_without_openclaw_is_refused_with_the_install_command(tmp_path):
-    with pytest.raises(Refused, match="npm install node@24 openclaw"):
+    with pytest.raises(Refused, match="npm install openclaw@2026.9.6"):
         find_openclaw(str(tmp_path))
 
 

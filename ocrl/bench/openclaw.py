@@ -3,7 +3,7 @@ them a tool use and at least one compaction, then the run is checked: one sessio
 conversation, OpenClaw's housekeeping served as side turns, the turn after the compaction threaded
 to the one before it, envelope-free next states, samples written, no 5xx.
 
-It needs node >= 24.16 and the openclaw package (`npm install node@24 openclaw` in a folder, then
+It needs node >= 24.16 and the openclaw package (INSTALL below, in a folder, then
 `--openclaw FOLDER`, or `openclaw` and a recent node on PATH); without them it says so and stops.
 It is never part of the test suite: it needs npm and takes minutes.
 
@@ -38,6 +38,9 @@ from ocrl import chat, openclaw
 from ocrl.bench.serving import serving
 
 MIN_NODE = (24, 16)
+# Two steps: openclaw's own install script refuses an older system node, so node 24 comes first and
+# goes first on PATH; pinned, since a resolver that skips the engine check may pick an empty 0.0.1.
+INSTALL = "npm install node@24 && PATH=$PWD/node_modules/.bin:$PATH npm install openclaw@2026.9.6"
 TOOL_TURN_SECONDS = 240
 OPENCLAW_WINDOW = 4096
 # Long-ish messages fill OpenClaw's window sooner (prefill is cheap next to decoding on a CPU).
@@ -77,14 +80,14 @@ def find_openclaw(where: str | None) -> tuple[list[str], dict[str, str]]:
     elif folder is not None:
         cli = folder / "node_modules" / ".bin" / "openclaw"
         if not cli.exists():
-            raise Refused(f"no openclaw CLI at {cli}: run `npm install node@24 openclaw` in {folder}")
+            raise Refused(f"no openclaw CLI at {cli}: run `{INSTALL}` in {folder}")
         bundled = folder / "node_modules" / "node" / "bin"
         if (bundled / "node").exists():
             env["PATH"] = f"{bundled}{os.pathsep}{env.get('PATH', '')}"
     else:
         found = shutil.which("openclaw")
         if found is None:
-            raise Refused("openclaw is not installed: `npm install node@24 openclaw` in a folder, then pass --openclaw FOLDER")
+            raise Refused(f"openclaw is not installed: `{INSTALL}` in a folder, then pass --openclaw FOLDER")
         cli = Path(found)
     node = shutil.which("node", path=env.get("PATH"))
     if node is None:
