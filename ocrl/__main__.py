@@ -53,7 +53,9 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--archs", default=None, help="gpu: --random-init architectures to measure (default qwen3-0.6b,qwen3-4b on CUDA)")
     bench.add_argument("--batches", default=None, help="gpu: concurrent requests for the tokens/s rows (default 1,8,32 on CUDA)")
     bench.add_argument("--no-gpu-tests", action="store_true", help="gpu: skip the `pytest -m gpu` run")
-    bench.add_argument("--test-timeout", type=float, default=240.0, help="gpu: seconds the gpu tests may take")
+    bench.add_argument("--test-timeout", type=float, default=240.0, help="gpu: seconds the gpu tests may take (at most a third of the budget left)")
+    bench.add_argument("--budget-s", type=float, default=450.0,
+                       help="gpu: wall-clock seconds for the whole command, from its start; a section that cannot finish in what is left is skipped, and the report says so")
     add_simulation_flags(bench)
     config_mod.add_flags(bench)
     oc = commands.add_parser("openclaw-config", help="print an openclaw.json provider block matching these serve flags")

@@ -16,8 +16,11 @@ each engine present (transformers always; SGLang when it imports, twice: full we
 - peak GPU memory of engine + trainer (torch's allocator; SGLang's static pool is reported apart).
 
 The report (`--report`) is JSON, rewritten after every section, so a run cut short keeps what it
-measured. Without CUDA the same code runs on CPU with `--random-init tiny` as a smoke check and
-says so: those are not GPU figures.
+measured. The whole command keeps to `--budget-s` seconds of wall time (default 450, counted from
+the process's start; see budget.py): the gpu tests get at most a third of what is left, and a
+section that cannot finish in what remains is not started (or is cut), and is listed under
+"skipped" in the report with the reason. Without CUDA the same code runs on CPU with
+`--random-init tiny` as a smoke check and says so: those are not GPU figures.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from pathlib import Path
 import anyio
 import msgspec
 
+from ocrl.bench.budget import Budget
 from ocrl.types import Message, Sample, SamplingParams
 
 PROMPTS = ["Write a poem about the sea.", "Explain how a bicycle works.", "List ten fruits.", "Tell me a story."]
@@ -86,6 +90,16 @@ def gpu_tests(timeout: float) -> dict:
     return {"rc": rc, **counts, "seconds": round(time.perf_counter() - started, 1), "tail": said[-2500:]}
 
 
+def since_start() -> float:
+    """Seconds since this process started (Linux; 0 where /proc says nothing): the budget counts
+    the imports too."""
+    try:
+        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])  # field 22, starttime
+        return max(0.0, float(Path("/proc/uptime").read_text().split()[0]) - ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
 def _sync(device) -> None:
     import torch
 
@@ -117,33 +131,49 @@ async def bench_gpu(config, args) -> None:
     repeats = max(1, min(args.repeats, 2))
     report.data["environment"] = env = environment(cuda)
     report.data["settings"] = {"batches": batches, "max_tokens": max_tokens, "repeats": repeats, "lora_rank": config.lora_rank,
-                               "full_finetune": config.full_finetune, "rollout_batch_size": config.rollout_batch_size}  # fmt: skip
-    print(f"bench gpu on {env['device']}: torch {env['torch']}, transformers {env['transformers']}, sglang {env['sglang']}")
+                               "full_finetune": config.full_finetune, "rollout_batch_size": config.rollout_batch_size,
+                               "budget_s": args.budget_s}  # fmt: skip
+    budget = Budget(args.budget_s, report.data.setdefault("skipped", {}), spent=since_start(), save=report.save)
+    print(f"bench gpu on {env['device']}: torch {env['torch']}, transformers {env['transformers']}, sglang {env['sglang']}; "
+          f"budget {args.budget_s:.0f} s, {budget.left():.0f} s left after start-up")  # fmt: skip
     report.save()
     started = time.perf_counter()
 
-    # 1. the gpu tests, in a process of their own (they build their own engines)
+    # 1. the gpu tests, in a process of their own (they build their own engines), within the budget
     if cuda and not args.no_gpu_tests:
-        report.data["gpu_tests"] = tests = gpu_tests(timeout=args.test_timeout)
-        print(f"gpu tests: {tests.get('passed', 0)} passed, {tests.get('failed', 0)} failed, {tests.get('skipped', 0)} skipped "
-              f"(rc {tests['rc']}, {tests['seconds']:.0f}s)")  # fmt: skip
-        if tests["rc"] not in (0, 5):
-            print(tests["tail"])
+
+        async def run_tests() -> None:
+            timeout = min(args.test_timeout, budget.left() / 3)
+            report.data["gpu_tests"] = tests = await anyio.to_thread.run_sync(gpu_tests, timeout)
+            print(f"gpu tests: {tests.get('passed', 0)} passed, {tests.get('failed', 0)} failed, {tests.get('skipped', 0)} skipped "
+                  f"(rc {tests['rc']}, {tests['seconds']:.0f}s of at most {timeout:.0f}s)")  # fmt: skip
+            if tests["rc"] not in (0, 5):
+                print(tests["tail"])
+
+        if not await budget.run("gpu tests", run_tests):
+            report.data["gpu_tests"] = {"skipped": budget.skipped["gpu tests"]}
     else:
         report.data["gpu_tests"] = {"skipped": "no CUDA" if not cuda else "--no-gpu-tests"}
     report.save()
 
-    # 2. each architecture, each engine
+    # 2. each architecture, each engine: every piece a section of the budget
     for arch in archs:
         arch_config = msgspec.structs.replace(config, random_init=arch, device=device, max_batch_size=max(max(batches), config.max_batch_size))
         set_threads(arch_config)
         if cuda:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
+        held: dict = {}
+
+        async def load(arch_config=arch_config) -> None:
+            held["loaded"] = await anyio.to_thread.run_sync(
+                lambda: models.load(arch_config.model, device=arch_config.device, dtype=arch_config.dtype, random_init=arch_config.random_init)
+            )
+
         t = time.perf_counter()
-        loaded = await anyio.to_thread.run_sync(
-            lambda: models.load(arch_config.model, device=arch_config.device, dtype=arch_config.dtype, random_init=arch_config.random_init)
-        )
+        if not await budget.run(f"{arch or config.model}/load", load, kind="load"):
+            continue
+        loaded = held.pop("loaded")
         params = sum(p.numel() for p in loaded.model.parameters())
         first = next(loaded.model.parameters())
         entry = report.data["archs"][loaded.name] = {
@@ -158,13 +188,14 @@ async def bench_gpu(config, args) -> None:
         for which in engines:
             if cuda:
                 torch.cuda.reset_peak_memory_stats()
+            out = entry["engines"][which] = {"serve": {}}
             try:
-                entry["engines"][which] = await bench_engine(which, arch_config, loaded, batches, max_tokens, repeats)
+                await bench_engine(which, arch_config, loaded, batches, max_tokens, repeats, out, budget, f"{loaded.name}/{which}")
             except Exception as e:  # one engine's failure is a figure too; the others still run
-                entry["engines"][which] = {"error": f"{type(e).__name__}: {e}"}
+                out["error"] = f"{type(e).__name__}: {e}"
                 print(f"{which}: failed: {type(e).__name__}: {e}")
             if cuda:
-                entry["engines"][which]["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+                out["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
             report.save()
             gc.collect()
             if cuda:
@@ -175,6 +206,7 @@ async def bench_gpu(config, args) -> None:
         gc.collect()
         report.save()
     report.data["seconds"] = round(time.perf_counter() - started, 1)
+    report.data["budget_left_s"] = round(budget.left(), 1)
     report.save()
     print_table(report.data)
     if report.path:
@@ -182,23 +214,30 @@ async def bench_gpu(config, args) -> None:
 
 
 def print_table(data: dict) -> None:
-    print(f"\n{data['environment']['device']}, torch {data['environment']['torch']}, {data['seconds']:.0f}s in all")
+    print(f"\n{data['environment']['device']}, torch {data['environment']['torch']}, {data['seconds']:.0f}s in all "
+          f"(budget {data['settings']['budget_s']:.0f}s)")  # fmt: skip
     for arch, entry in data["archs"].items():
         for which, r in entry["engines"].items():
             if "error" in r:
                 print(f"{arch:18} {which:11} error: {r['error']}")
-                continue
             serve = "  ".join(f"b{b}: {s['tokens_per_s']:.0f} tok/s = {s['ratio']:.2f}x bare" for b, s in r["serve"].items())
-            print(f"{arch:18} {which:11} {serve}")
-            print(f"{'':30} step {r['step_s']:.3f}s = {r['step_ratio']:.2f}x bare fwd+bwd+AdamW ({r['bare_step_s']:.3f}s); "
-                  f"swap ({r['swap_kind']}) {r['swap_s']:.3f}s = {r['swap_ratio']:.2f}x a forward ({r['forward_s']:.4f}s); "
-                  f"stall {r['stall_s']:.3f}s = {r['stall_ratio']:.1f}x median decode step ({r['decode_step_s']:.4f}s); "
-                  f"verified {r['verified']}; peak {r.get('peak_gib', '-')} GiB")  # fmt: skip
+            print(f"{arch:18} {which:11} {serve or 'no serving figures'}")
+            if "step_s" in r:
+                print(f"{'':30} step {r['step_s']:.3f}s = {r['step_ratio']:.2f}x bare fwd+bwd+AdamW ({r['bare_step_s']:.3f}s); "
+                      f"swap ({r['swap_kind']}) {r['swap_s']:.3f}s = {r['swap_ratio']:.2f}x a forward ({r['forward_s']:.4f}s); "
+                      f"verified {r['verified']}; peak {r.get('peak_gib', '-')} GiB")  # fmt: skip
+            if "stall_s" in r:
+                print(f"{'':30} stall {r['stall_s']:.3f}s = {r['stall_ratio']:.1f}x median decode step ({r['decode_step_s']:.4f}s)")
         if "missing" in entry:
             print(f"{'':30} not measured: {entry['missing']}")
+    for name, reason in data.get("skipped", {}).items():
+        print(f"skipped {name}: {reason}")
 
 
-async def bench_engine(which: str, config, loaded, batches: list[int], max_tokens: int, repeats: int) -> dict:
+async def bench_engine(
+    which: str, config, loaded, batches: list[int], max_tokens: int, repeats: int, out: dict, budget: Budget, label: str
+) -> None:
+    """Every figure of one engine into `out`, each piece a section of `budget` named `label/...`."""
     from ocrl import chat
     from ocrl.bench.train import bare_step_fn
     from ocrl.engine.select import build_engine
@@ -206,17 +245,22 @@ async def bench_engine(which: str, config, loaded, batches: list[int], max_token
     from ocrl.train.trainer import Trainer
 
     kind, _, sync = which.partition("-")  # "sglang-lora": engine sglang, --weight-sync lora
-    engine = await build_engine(msgspec.structs.replace(config, engine=kind, weight_sync=sync or "full"), loaded)
+    held: dict = {}  # what a section hands the next ones: the engine, the trainer and its batch
+
+    async def start() -> None:  # SGLang launches its processes: not free
+        held["engine"] = await build_engine(msgspec.structs.replace(config, engine=kind, weight_sync=sync or "full"), loaded)
+
+    if not await budget.run(f"{label}/start", start, kind=f"{which}/start"):
+        return
+    engine = held["engine"]
     device = next(loaded.model.parameters()).device
     prompts = [chat.prompt_ids(loaded.tokenizer, [Message(role="user", content=PROMPTS[i % len(PROMPTS)])]) for i in range(max(batches))]
-    out: dict = {"serve": {}}
     async with anyio.create_task_group() as tg:
         tg.start_soon(engine.run)
 
         # 1. serving tokens/s at each batch size, through the engine and through the bare library
-        for size in batches:
-
-            async def through_engine(size=size) -> int:
+        async def serve(size: int) -> None:
+            async def through_engine() -> int:
                 counts = [0] * size
 
                 async def one(i):
@@ -240,75 +284,95 @@ async def bench_engine(which: str, config, loaded, batches: list[int], max_token
             out["serve"][size] = {"tokens_per_s": med(served), "bare_tokens_per_s": med(base), "ratio": med(served) / med(base)}
             print(f"{which}: batch {size}: {med(served):.1f} tok/s through the engine, {med(base):.1f} bare ({size} x {max_tokens} tokens)")
 
+        for size in batches:
+            await budget.run(f"{label}/serve b{size}", lambda size=size: serve(size), kind=f"{which}/serve")
+
         # 2. a batch of completions; the trainer as the daemon builds it (it gives way to serving)
-        batch = []
-        for i in range(config.rollout_batch_size):
-            c = await engine.generate(prompts[i % len(prompts)], SamplingParams(max_tokens=32, temperature=1.0, seed=100 + i))
-            if n := len(c.response_ids):
-                batch.append(Sample(sample_id=str(i), session_id="bench", turn_index=i, tokens=c.prompt_ids + c.response_ids,
-                                    response_length=n, loss_mask=[1] * n, rollout_logprobs=c.logprobs,
-                                    reward=1.0 if i % 2 else -1.0, weights_version=0, score=1))  # fmt: skip
-        trainer = await anyio.to_thread.run_sync(
-            lambda: Trainer(config, loaded.model, engine=engine, device=device, verify_atol=verify_tolerance(loaded.model), verify_rtol=verify_relative(loaded.model))
-        )
-        if getattr(engine, "accepts_adapters", False):
-            await trainer.publish()  # serve through the (initial) adapter, as the daemon would after a step
-        bare_step = bare_step_fn(trainer, batch, config.lr)
+        async def train() -> None:
+            completions: list = [None] * config.rollout_batch_size
 
-        def timed(fn) -> float:
-            _sync(device)
-            t = time.perf_counter()
-            fn()
-            _sync(device)
-            return time.perf_counter() - t
+            async def complete(i: int) -> None:  # seeded: the same sample whatever shares the batch
+                completions[i] = await engine.generate(prompts[i % len(prompts)], SamplingParams(max_tokens=32, temperature=1.0, seed=100 + i))
 
-        await anyio.to_thread.run_sync(bare_step)  # warm-up
-        bare_s = [await anyio.to_thread.run_sync(timed, bare_step) for _ in range(repeats)]
-        rows = [await trainer.step(batch) for _ in range(repeats + 1)][1:]  # the first warms up
-        out["bare_step_s"] = med(bare_s)
-        out["step_s"] = med(r["step_seconds"] for r in rows)
-        out["step_ratio"] = out["step_s"] / out["bare_step_s"]
-        out["swap_s"] = med(r["swap_seconds"] for r in rows)
-        out["swap_kind"] = "adapter" if getattr(engine, "accepts_adapters", False) else "merged"
-        out["verified"] = all(bool(r["verified"]) for r in rows)
-        out["probe_diff"] = max(r["probe_diff"] for r in rows)
-        out["forward_s"] = med([await anyio.to_thread.run_sync(_forward_seconds, loaded.model, batch, device) for _ in range(repeats + 1)][1:])
-        out["swap_ratio"] = out["swap_s"] / out["forward_s"]
-        print(f"{which}: step {out['step_s']:.3f}s vs bare {out['bare_step_s']:.3f}s; swap ({out['swap_kind']}) {out['swap_s']:.3f}s vs "
-              f"forward {out['forward_s']:.4f}s; verified {out['verified']} (probe diff {out['probe_diff']:.3g})")  # fmt: skip
+            async with anyio.create_task_group() as group:
+                for i in range(config.rollout_batch_size):
+                    group.start_soon(complete, i)
+            batch = [
+                Sample(sample_id=str(i), session_id="bench", turn_index=i, tokens=c.prompt_ids + c.response_ids,
+                       response_length=len(c.response_ids), loss_mask=[1] * len(c.response_ids), rollout_logprobs=c.logprobs,
+                       reward=1.0 if i % 2 else -1.0, weights_version=0, score=1)
+                for i, c in enumerate(completions) if c.response_ids
+            ]  # fmt: skip
+            trainer = await anyio.to_thread.run_sync(
+                lambda: Trainer(config, loaded.model, engine=engine, device=device, verify_atol=verify_tolerance(loaded.model), verify_rtol=verify_relative(loaded.model))
+            )
+            if getattr(engine, "accepts_adapters", False):
+                await trainer.publish()  # serve through the (initial) adapter, as the daemon would after a step
+            bare_step = bare_step_fn(trainer, batch, config.lr)
+
+            def timed(fn) -> float:
+                _sync(device)
+                t = time.perf_counter()
+                fn()
+                _sync(device)
+                return time.perf_counter() - t
+
+            await anyio.to_thread.run_sync(bare_step)  # warm-up
+            bare_s = [await anyio.to_thread.run_sync(timed, bare_step) for _ in range(repeats)]
+            rows = [await trainer.step(batch) for _ in range(repeats + 1)][1:]  # the first warms up
+            out["bare_step_s"] = med(bare_s)
+            out["step_s"] = med(r["step_seconds"] for r in rows)
+            out["step_ratio"] = out["step_s"] / out["bare_step_s"]
+            out["swap_s"] = med(r["swap_seconds"] for r in rows)
+            out["swap_kind"] = "adapter" if getattr(engine, "accepts_adapters", False) else "merged"
+            out["verified"] = all(bool(r["verified"]) for r in rows)
+            out["probe_diff"] = max(r["probe_diff"] for r in rows)
+            out["forward_s"] = med([await anyio.to_thread.run_sync(_forward_seconds, loaded.model, batch, device) for _ in range(repeats + 1)][1:])
+            out["swap_ratio"] = out["swap_s"] / out["forward_s"]
+            held.update(trainer=trainer, batch=batch)
+            print(f"{which}: step {out['step_s']:.3f}s vs bare {out['bare_step_s']:.3f}s; swap ({out['swap_kind']}) {out['swap_s']:.3f}s vs "
+                  f"forward {out['forward_s']:.4f}s; verified {out['verified']} (probe diff {out['probe_diff']:.3g})")  # fmt: skip
+
+        trained = await budget.run(f"{label}/train", train, kind=f"{which}/train")
 
         # 3. a request streaming while a trainer step and its swap run, against the same without
-        long = SamplingParams(max_tokens=max(96, max_tokens), temperature=1.0, seed=7)
-        window = [0.0, 0.0]
+        async def stall() -> None:
+            trainer, batch = held["trainer"], held["batch"]
+            long = SamplingParams(max_tokens=max(96, max_tokens), temperature=1.0, seed=7)
+            window = [0.0, 0.0]
 
-        async def step() -> None:
-            window[0] = time.perf_counter()
-            await trainer.step(batch)
-            window[1] = time.perf_counter()
+            async def step() -> None:
+                window[0] = time.perf_counter()
+                await trainer.step(batch)
+                window[1] = time.perf_counter()
 
-        async def stream_times(step_after: int | None) -> list[float]:
-            times: list[float] = []
-            async with anyio.create_task_group() as group:
-                async for _ in engine.stream(prompts[0], long):
-                    times.append(time.perf_counter())
-                    if len(times) == step_after:
-                        group.start_soon(step)
-            return times
+            async def stream_times(step_after: int | None) -> list[float]:
+                times: list[float] = []
+                async with anyio.create_task_group() as group:
+                    async for _ in engine.stream(prompts[0], long):
+                        times.append(time.perf_counter())
+                        if len(times) == step_after:
+                            group.start_soon(step)
+                return times
 
-        quiet = await stream_times(None)
-        gaps = [b - a for a, b in zip(quiet, quiet[1:])]
-        out["decode_step_s"] = med(gaps)
-        times = await stream_times(8)
-        t0, t1 = window
-        during = [b - a for a, b in zip(times, times[1:]) if b >= t0 and a <= t1] or [b - a for a, b in zip(times, times[1:])]
-        out["stall_s"] = max(during)
-        out["stall_ratio"] = out["stall_s"] / out["decode_step_s"]
-        out["step_and_swap_wall_s"] = t1 - t0 if t1 else None
-        out["mixed_completions"] = getattr(engine, "mixed_completions", None)
-        print(f"{which}: longest gap {out['stall_s']:.3f}s while a step + swap ran ({out['step_and_swap_wall_s']}s), median decode step "
-              f"{out['decode_step_s']:.4f}s")  # fmt: skip
+            quiet = await stream_times(None)
+            gaps = [b - a for a, b in zip(quiet, quiet[1:])]
+            out["decode_step_s"] = med(gaps)
+            times = await stream_times(8)
+            t0, t1 = window
+            during = [b - a for a, b in zip(times, times[1:]) if b >= t0 and a <= t1] or [b - a for a, b in zip(times, times[1:])]
+            out["stall_s"] = max(during)
+            out["stall_ratio"] = out["stall_s"] / out["decode_step_s"]
+            out["step_and_swap_wall_s"] = t1 - t0 if t1 else None
+            out["mixed_completions"] = getattr(engine, "mixed_completions", None)
+            print(f"{which}: longest gap {out['stall_s']:.3f}s while a step + swap ran ({out['step_and_swap_wall_s']}s), median decode step "
+                  f"{out['decode_step_s']:.4f}s")  # fmt: skip
+
+        if trained:
+            await budget.run(f"{label}/stall", stall, kind=f"{which}/stall")
+        else:
+            budget.skip(f"{label}/stall", "needs the train section, which did not run to the end")
         tg.cancel_scope.cancel()
-    return out
 
 
 def _bare_generate(which: str, engine, loaded, prompts: list[list[int]], max_tokens: int):
