@@ -28,6 +28,7 @@ from ocrl.engine.hf import HFEngine
 from ocrl.engine.select import build_engine
 from ocrl.events import Events
 from ocrl.guard import is_loopback
+from ocrl.judge.completers import EngineCompleter, RemoteCompleter
 from ocrl.restore import restore
 from ocrl.sessions import Sessions
 from ocrl.stats import (
@@ -62,66 +63,6 @@ def check_access(config: Config) -> None:
             f"refusing to listen on {config.host} without an API key: set --api-key (or OCRL_API_KEY), "
             "or pass --insecure-no-auth to accept anyone who can reach this port"
         )
-
-
-class RemoteCompleter:
-    """A judge endpoint: any OpenAI-compatible /chat/completions. A server that splits a thinking
-    model's reasoning into `reasoning_content` gets it back as `<think>...</think>` before the
-    answer, so the vote's text keeps it and the score is read after it."""
-
-    def __init__(self, url: str, api_key: str, model: str):
-        import httpx
-
-        self.url = url.rstrip("/") + ("/chat/completions" if not url.rstrip("/").endswith("/chat/completions") else "")
-        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.model = model
-        self.client = httpx.AsyncClient(timeout=None)  # a vote's own timeout (GenerateJudge) bounds it
-
-    async def __call__(self, messages, temperature, max_tokens, seed):
-        body = {"model": self.model, "messages": messages, "temperature": temperature, "max_tokens": max_tokens}
-        if seed is not None:
-            body["seed"] = seed
-        from ocrl.prm import THINK_END, THINK_START, Reply
-
-        reply = await self.client.post(self.url, json=body, headers=self.headers)
-        reply.raise_for_status()
-        choice = reply.json()["choices"][0]
-        message = choice.get("message") or {}
-        text = message.get("content") or ""
-        if thinking := message.get("reasoning_content"):
-            # the server stopped inside the thinking when there is no answer yet: leave it open
-            text = f"{THINK_START}{thinking}{THINK_END if text or choice.get('finish_reason') != 'length' else ''}{text}"
-        return Reply(text, choice.get("finish_reason") or "stop")
-
-
-class EngineCompleter:
-    """A judge that samples from an engine of ours (the policy's base weights by default)."""
-
-    def __init__(self, engine, tokenizer):
-        self.engine, self.tokenizer = engine, tokenizer
-
-    async def __call__(self, messages, temperature, max_tokens, seed):
-        from ocrl.prm import Reply
-
-        ids = chat.prompt_ids(self.tokenizer, chat.normalise(messages))
-        room = self.engine.max_context - len(ids)  # the budget, capped by the judge's context
-        if room < 1:
-            raise ValueError(f"the judge prompt is {len(ids)} tokens; the judge's context is {self.engine.max_context}")
-        params = SamplingParams(max_tokens=min(max_tokens, room), temperature=temperature, seed=seed)
-        completion = await self.engine.generate(ids, params)
-        return Reply(completion.text, completion.finish_reason)
-
-    async def verdict_probs(self, messages) -> dict[int, float]:
-        from ocrl.prm import verdict_probs_from_logprobs
-
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, continue_final_message=True)
-        ids = self.tokenizer.encode(text, add_special_tokens=False)
-        first = await self.engine.next_token_logprobs(ids)
-        candidates = {s: self.tokenizer.encode(s, add_special_tokens=False) for s in ("1", "-", "0", "+")}
-        firsts = {s: float(first[t[0]]) for s, t in candidates.items() if len(t) == 1}
-        minus, one = candidates["-"], candidates["1"]
-        after_minus = await self.engine.next_token_logprobs(ids + minus)
-        return verdict_probs_from_logprobs(firsts, float(after_minus[one[0]]))
 
 
 class Daemon:
@@ -199,7 +140,8 @@ class Daemon:
         self.restored = dict(restored)
 
     async def _build_judge(self, loaded):
-        from ocrl import prm
+        from ocrl.judge.embed import EmbedJudge
+        from ocrl.judge.llm import GenerateJudge, VerdictJudge
 
         config = self.config
         self.completer = None
@@ -208,7 +150,7 @@ class Daemon:
             mode = "generate" if (config.prm_url or self.engine.device.type == "cuda") else "embed"
         if mode == "embed":
             log.info("judge: embed (a learned head over all-MiniLM-L6-v2 embeddings of the next state, margin %.2f)", config.prm_margin)
-            return await anyio.to_thread.run_sync(lambda: prm.EmbedJudge.load(margin=config.prm_margin))
+            return await anyio.to_thread.run_sync(lambda: EmbedJudge.load(margin=config.prm_margin))
         if config.prm_url:
             completer = RemoteCompleter(config.prm_url, config.prm_api_key, config.prm_model or "default")
         else:
@@ -231,25 +173,25 @@ class Daemon:
         self.completer = completer
         log.info("judge: %s, m=%d", mode, config.prm_m)
         if mode == "verdict":
-            return prm.VerdictJudge(completer.verdict_probs, m=config.prm_m, seed=config.seed)
-        return prm.GenerateJudge(completer, m=config.prm_m, temperature=config.prm_temperature, max_tokens=config.prm_max_tokens)
+            return VerdictJudge(completer.verdict_probs, m=config.prm_m, seed=config.seed)
+        return GenerateJudge(completer, m=config.prm_m, temperature=config.prm_temperature, max_tokens=config.prm_max_tokens)
 
     def _build_distill(self, loaded):
         """--method opd|combine: the hint judge (the embed judge's reading of corrections on CPU,
         else m generated votes) and the teacher's prompt (the turn's messages plus hints)."""
-        from ocrl import prm
+        from ocrl.judge.hints import EmbedHintJudge, GenerateHintJudge
         from ocrl.sessions import Distill
 
         config = self.config
         if config.method == "rl":
             return None
         if self.completer is not None:
-            hinter = prm.GenerateHintJudge(
+            hinter = GenerateHintJudge(
                 self.completer, m=config.prm_m, temperature=config.prm_temperature, max_tokens=config.hint_max_tokens,
                 min_chars=config.hint_min_chars,
             )
         else:
-            hinter = prm.EmbedHintJudge(self.judge, min_chars=config.hint_min_chars)
+            hinter = EmbedHintJudge(self.judge, min_chars=config.hint_min_chars)
         log.info("method: %s, hint judge %s, hint in the %s message, experience %s", config.method, hinter.name,
                  config.hint_placement, config.experience)
         tokenizer = loaded.tokenizer

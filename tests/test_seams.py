@@ -16,7 +16,6 @@ OCRL = Path(__file__).resolve().parent.parent / "ocrl"
 KNOWN_CYCLES = {
     frozenset({"ocrl.api", "ocrl.completions"}),
     frozenset({"ocrl.api", "ocrl.responses"}),
-    frozenset({"ocrl.prm", "ocrl.judge.embed"}),
 }
 
 

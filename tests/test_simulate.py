@@ -11,7 +11,7 @@ import pytest
 
 from ocrl.bench import simulate
 from ocrl.bench.learn import judge_agreement
-from ocrl.prm import EmbedJudge
+from ocrl.judge.embed import EmbedJudge
 
 
 @pytest.mark.parametrize(

@@ -1,1 +1,16 @@
-"""The judges: what scores a turn from the state that followed it, and what writes its hint."""
+"""The judges: what scores a turn from the state that followed it, and what writes its hint.
+
+One concept per module, imported from the module that owns it (this package re-exports nothing):
+
+- `prompts`: the PRM and hint rubrics and the chats the LLM judges are asked.
+- `votes`: reading a vote (thinking, `\\boxed{}`, truncation), the majority, the hint of the
+  votes, the timed verdict and hint every judge returns, and the `Judge` protocol.
+- `llm`: the LLM judges, `GenerateJudge` (the seed's PRM, m sampled votes) and `VerdictJudge`
+  (one forward, votes drawn from the verdict-token probabilities).
+- `embed`: `EmbedJudge`, the CPU default (a learned head over sentence embeddings).
+- `hints`: the hint judges for --method opd|combine, `GenerateHintJudge` and `EmbedHintJudge`.
+- `completers`: an engine of ours or an OpenAI-compatible endpoint as an LLM judge's model call.
+- `cases`: labelled cases and a judge's accuracy on them.
+
+Nothing here knows of sessions, HTTP or training; the daemon picks and builds the judge.
+"""

@@ -10,8 +10,8 @@ carries the verdict.
 The head is fitted the first time a judge is built on a box (a few seconds: one embedding pass
 over the shipped cases, then full-batch Adam from zeros, so the fit is deterministic) and cached
 under `$OCRL_CACHE/embed-head/`, keyed by the fit data, the encoder and the fitting settings.
-It knows nothing of sessions, HTTP, engines or training; `ocrl.prm` holds the judge protocol,
-the other judges and the evaluation helpers.
+It knows nothing of sessions, HTTP, engines or training; the rest of `ocrl.judge` holds the
+judge protocol and the votes (`votes`), the other judges and the evaluation helpers (`cases`).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 import anyio
 import msgspec
 
+from ocrl.judge.votes import timed_verdict
 from ocrl.types import Verdict, Vote
 
 if TYPE_CHECKING:
@@ -113,7 +114,7 @@ class SentenceEncoder:
 
 
 class FitCase(msgspec.Struct):
-    """One labelled next state the head learns from (the shape of `prm.Case`, response optional)."""
+    """One labelled next state the head learns from (the shape of `cases.Case`, response optional)."""
 
     next_state: str
     role: str
@@ -295,10 +296,11 @@ class EmbedJudge:
         shown = " ".join(f"{CLASS_NAMES[label]}={probs[label]:.3f}" for label in LABELS)
         return Vote(score=score, text=f"{shown} rule={rule or '-'} -> {score}")
 
+    async def _votes(self, next_state: str, role: str) -> list[Vote]:
+        return [await anyio.to_thread.run_sync(self.classify, next_state, role)]
+
     async def judge(self, response: str, next_state: str, role: str) -> Verdict:
-        started = time.perf_counter()
-        vote = await anyio.to_thread.run_sync(self.classify, next_state, role)
-        return Verdict(score=vote.score or 0, votes=[vote], mode=self.name, seconds=time.perf_counter() - started)
+        return await timed_verdict(self.name, self._votes(next_state, role))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -308,7 +310,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     import torch
 
-    from ocrl import prm
+    from ocrl.judge.cases import evaluate, load_cases
 
     parser = argparse.ArgumentParser(prog="python -m ocrl.judge.embed", description=main.__doc__)
     data = Path(__file__).resolve().parents[2] / "tests" / "data"
@@ -318,7 +320,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     judge = EmbedJudge.load()
     for path in args.cases:
         print(f"== {path}")
-        anyio.run(prm.evaluate, judge, prm.load_cases(path))
+        anyio.run(evaluate, judge, load_cases(path))
     return 0
 
 
