@@ -56,6 +56,9 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     prefix_cache: str = "auto"
     request_timeout: float = 600.0
     threads: int = 0  # torch CPU threads per call; 0 = half the cores (decode and training run at once)
+    # glibc only: leave malloc's arenas and thresholds as they are and trim only after training
+    # steps, not every few seconds (memory.py; without them RSS climbs GBs above the live heap)
+    no_malloc_tune: bool = False
     # sessions and samples
     default_turn_type: Literal["main", "side"] = "main"
     session_timeout: float = 1800.0

@@ -73,11 +73,16 @@ class Daemon:
         self.trainer = None
         self.judge_engine = None
         self.started = time.time()
+        self.trimmer = memory.Trimmer()
 
     # 1. build: model, engine, records, judge, sessions, api (trainer when training)
     async def build(self) -> None:
         config = self.config
         set_threads(config)
+        if not config.no_malloc_tune:  # before the model loads: arenas made before stay
+            tuned = memory.tune()
+            if tuned:
+                log.info("malloc tuned: %s", " ".join(f"{k}={v}" for k, v in tuned.items()))
         self.events.publish(Progress(task="loading model", done=0, total=3))
         loaded = await anyio.to_thread.run_sync(
             lambda: models.load(
@@ -272,7 +277,7 @@ class Daemon:
                     strict(ReplicaStats, {**r, "prefix_cache": strict(PrefixCacheStats, r["prefix_cache"])}) for r in replicas
                 ],
             ),  # fmt: skip
-            memory=strict(MemoryStats, {"rss_mb": memory.rss_mb(), **memory.heap()}),
+            memory=strict(MemoryStats, {"rss_mb": memory.rss_mb(), **memory.heap(), "open_fds": memory.open_fds(), **self.trimmer.stats()}),
             requests=strict(RequestStats, self.api.request_log.stats()),
             storage=StorageStats(
                 full=self.records.full,
@@ -344,6 +349,8 @@ class Daemon:
             tg.start_soon(self.sessions.run)
             tg.start_soon(self.sessions.expire_idle)
             tg.start_soon(self._watch_disk)
+            if not self.config.no_malloc_tune:
+                tg.start_soon(self.trimmer.run)
             tg.start_soon(self._watch_signals)
             if self.trainer is not None:
                 tg.start_soon(self.trainer.run, self.samples_receive)

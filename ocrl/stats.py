@@ -70,6 +70,9 @@ class MemoryStats(msgspec.Struct, kw_only=True, omit_defaults=True):
     heap_in_use_mb: float | None = None
     heap_free_mb: float | None = None
     heap_mmap_mb: float | None = None
+    open_fds: int | None = None  # sockets, files and pipes held open (Linux, macOS)
+    trims: int = 0  # periodic malloc trims (memory.Trimmer) so far
+    trim_ms_mean: float = 0.0
 
 
 class RequestStats(msgspec.Struct, kw_only=True):

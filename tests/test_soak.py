@@ -1,6 +1,7 @@
 """A short loopback soak (the long one is `python -m ocrl bench soak`): 100 concurrent sessions
 through the real HTTP server for a while; no request fails, resident memory stays bounded, and
-every main turn's sample is journaled exactly once."""
+every main turn's sample is journaled exactly once, and the daemon's open file descriptors come
+back down once the clients are gone (a leaked socket or file would stay)."""
 
 from __future__ import annotations
 
@@ -17,11 +18,15 @@ async def test_soak_fails_nothing_grows_little_and_accounts_for_every_sample(tmp
     # leaves freed memory in the allocator: off here, so that growth means a leak.
     daemon = Daemon(tmp_path / "run", "--no-train", "--threads", "1", "--max-batch-size", "16", "--prefix-cache", "off").start()
     try:
+        fds_before = daemon.stats()["memory"]["open_fds"]
         report = await soak.soak(daemon.url + "/v1", API_KEY, sessions=SESSIONS, seconds=SECONDS, max_tokens=2)
         with anyio.fail_after(120):  # the last verdicts
             while daemon.stats()["sessions"]["judging"]:
                 await anyio.sleep(0.2)
         stats = daemon.stats()
+        with anyio.move_on_after(30):  # the server closes the soak's keep-alive connections
+            while (fds_after := daemon.stats()["memory"]["open_fds"]) > fds_before + 4:
+                await anyio.sleep(0.5)
     finally:
         assert daemon.stop() == 0
     assert report.failures == []
@@ -33,3 +38,5 @@ async def test_soak_fails_nothing_grows_little_and_accounts_for_every_sample(tmp
     assert accounting["missing"] == 0 and accounting["journaled_twice"] == 0
     assert accounting["journaled"] == accounting["main_turns"]
     assert stats["sessions"]["sessions_open"] == 0  # every session ended
+    assert max(n for _, n in report.fds) >= fds_before + SESSIONS // 2  # the count saw the connections
+    assert fds_after <= fds_before + 4

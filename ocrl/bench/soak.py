@@ -37,6 +37,8 @@ class SoakReport:
     rss_mb: list[tuple[float, float]] = field(default_factory=list)  # (seconds since start, MiB)
     heap: list[tuple[float, dict]] = field(default_factory=list)  # (seconds since start, C heap figures in MiB)
     steps: list[tuple[float, int]] = field(default_factory=list)  # (seconds since start, training steps so far)
+    fds: list[tuple[float, int]] = field(default_factory=list)  # (seconds since start, open file descriptors)
+    trims: tuple[int, float] = (0, 0.0)  # the daemon's periodic malloc trims so far, and their mean ms
     seconds: float = 0.0
 
     def rss_growth(self) -> tuple[float, float]:
@@ -102,6 +104,9 @@ async def soak(url: str, api_key: str = "", *, sessions: int = 100, seconds: flo
                     report.rss_mb.append((at, stats["memory"]["rss_mb"]))
                     report.heap.append((at, {k: v for k, v in stats["memory"].items() if k.startswith("heap_")}))
                     report.steps.append((at, stats.get("training", {}).get("steps", 0)))
+                    if stats["memory"].get("open_fds") is not None:
+                        report.fds.append((at, stats["memory"]["open_fds"]))
+                    report.trims = (stats["memory"].get("trims", 0), stats["memory"].get("trim_ms_mean", 0.0))
                 except Exception:  # noqa: BLE001 - a missed sample of memory is no failure of the soak
                     pass
                 await anyio.sleep(1.0)
@@ -155,6 +160,10 @@ def print_report(report: SoakReport, accounting: dict, sessions: int) -> None:
               f"; end / middle {marks[-1] / marks[2]:.3f}x")
         if report.steps:
             print("  training steps at the same marks: " + ", ".join(str(at(report.steps, q)) for q in (0.0, 0.25, 0.5, 0.75, 1.0)))
+        if report.fds:  # a leak of sockets or files climbs here
+            print("  open file descriptors at the same marks: " + ", ".join(str(at(report.fds, q)) for q in (0.0, 0.25, 0.5, 0.75, 1.0)))
+        if report.trims[0]:
+            print(f"  periodic malloc trims: {report.trims[0]}, {report.trims[1]:.1f} ms each (mean)")
         if report.heap and report.heap[-1][1]:
             for name, q in (("middle", 0.5), ("end", 1.0)):
                 figures = at(report.heap, q)
