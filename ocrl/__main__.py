@@ -52,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--report", default="", help="gpu: write every figure to this JSON file (rewritten after each section)")
     bench.add_argument("--archs", default=None, help="gpu: --random-init architectures to measure (default qwen3-0.6b,qwen3-4b on CUDA)")
     bench.add_argument("--batches", default=None, help="gpu: concurrent requests for the tokens/s rows (default 1,8,32 on CUDA)")
+    bench.add_argument("--modes", default=None, help="refuse: comma-separated modes to measure, of 'decoded on loop', 'pre-check', 'byte check', 'tokenised' (default all; the tokenised one takes minutes)")
     bench.add_argument("--no-gpu-tests", action="store_true", help="gpu: skip the `pytest -m gpu` run")
     bench.add_argument("--test-timeout", type=float, default=240.0, help="gpu: seconds the gpu tests may take (at most a third of the budget left)")
     bench.add_argument("--budget-s", type=float, default=450.0,

@@ -355,7 +355,7 @@ class Api:
             return fn(raw)
         return await anyio.to_thread.run_sync(fn, raw, limiter=self._decode_limiter)
 
-    def refuse_hopeless_body(self, size: int) -> None:
+    def refuse_hopeless_body(self, size: int, param: str = "messages") -> None:
         """Before decoding: a body too large for any prompt that fits the context is refused
         unread. A prompt character takes at most 6 bytes of JSON (a \\uXXXX escape), and the
         rest of a request (sampling fields, a schema, logit_bias) gets 1 MiB of slack. Decoding
@@ -367,7 +367,7 @@ class Api:
         if size > most:
             raise ApiError(
                 400, f"request body is {size} bytes; a prompt that fits the context of {self.engine.max_context} tokens needs at most {most}",
-                param="messages", code="context_length_exceeded",
+                param=param, code="context_length_exceeded",
             )
 
     async def _chat_completions(self, http: Request) -> Response:

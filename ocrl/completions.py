@@ -86,8 +86,10 @@ class Completions:
     async def _create(self, http: Request) -> Response:
         api = self.api
         # 1. receive
+        raw = await api._read_body(http)
+        api.refuse_hopeless_body(len(raw), "prompt")  # before decoding (see there)
         try:
-            body = await api.decode(_decoder.decode, await api._read_body(http))
+            body = await api.decode(_decoder.decode, raw)
         except msgspec.ValidationError as e:
             raise ApiError(400, f"invalid request: {e}") from None
         except msgspec.DecodeError as e:

@@ -180,6 +180,7 @@ class Responses:
     async def _create(self, http: Request) -> Response:
         # 1. receive: the Responses request, translated into the chat request it means
         raw = await self.api._read_body(http)
+        self.api.refuse_hopeless_body(len(raw), "input")  # before decoding (see there)
         try:
             body = await self.api.decode(_decoder.decode, raw)
         except msgspec.ValidationError as e:

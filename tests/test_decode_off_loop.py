@@ -48,3 +48,16 @@ def test_a_body_too_large_for_any_fitting_prompt_is_refused_before_decoding():
     with pytest.raises(ApiError) as e:
         Api.refuse_hopeless_body(stub, most + 1)
     assert e.value.status == 400 and e.value.code == "context_length_exceeded"
+
+
+def test_bench_refuse_modes_are_read_from_the_command_line():
+    from ocrl.__main__ import main
+    from ocrl.bench import REFUSE_MODES, refuse_modes
+
+    assert refuse_modes("byte check, pre-check") == ("byte check", "pre-check")
+    assert set(refuse_modes(",".join(REFUSE_MODES))) == set(REFUSE_MODES)
+    with pytest.raises(SystemExit, match="tokenized"):  # a misspelt mode fails before any model loads
+        refuse_modes("byte check,tokenized")
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "refuse", "--modes", "nope", "--no-train"])
+    assert "nope" in str(e.value)

@@ -153,6 +153,32 @@ async def test_four_huge_bodies_are_refused_while_another_request_completes(daem
     assert [_error(r, 400)["code"] for r in replies] == ["context_length_exceeded"] * 4
 
 
+@pytest.mark.parametrize("path, param", [("/v1/chat/completions", "messages"), ("/v1/completions", "prompt"), ("/v1/responses", "input")])
+def test_a_hopeless_body_is_refused_before_it_is_decoded(daemon, path, param):
+    # not even JSON (never closed): a 400 for its size, not for its syntax, shows it was never decoded
+    field = {"messages": '"messages": [{"role": "user", "content": "', "prompt": '"prompt": "', "input": '"input": "'}[param]
+    body = ('{"model": "m", "max_tokens": 2, ' + field + "word " * 1_580_000).encode()
+    before = _counters(daemon)
+    error = _error(_post(daemon, path, body), 400)
+    assert (error["code"], error["param"], error["type"]) == ("context_length_exceeded", param, "invalid_request_error")
+    assert _counters(daemon) == before
+
+
+async def test_the_openai_client_gets_context_length_exceeded_for_a_huge_completion_or_response(daemon):
+    import openai
+
+    client = daemon.client(timeout=120)
+    huge = "word " * 1_580_000
+    before = _counters(daemon)
+    with pytest.raises(openai.BadRequestError) as refused:
+        await client.completions.create(model="m", prompt=huge, max_tokens=2)
+    assert (refused.value.code, refused.value.param) == ("context_length_exceeded", "prompt")
+    with pytest.raises(openai.BadRequestError) as refused:
+        await client.responses.create(model="m", input=huge, max_output_tokens=16)
+    assert (refused.value.code, refused.value.param) == ("context_length_exceeded", "input")
+    assert _counters(daemon) == before
+
+
 # -- retries and clients that leave -----------------------------------------------------------
 
 

@@ -45,7 +45,7 @@ async def run(which: str, config, args) -> None:
     elif which == "train":
         await bench_train(config, args.repeats, args.max_tokens or 32)
     elif which == "refuse":
-        await bench_refuse(config, args.repeats)
+        await bench_refuse(config, args.repeats, *([refuse_modes(args.modes)] if getattr(args, "modes", None) else []))
     elif which == "soak":
         await bench_soak(config, sessions=args.concurrency, seconds=args.seconds, max_tokens=args.max_tokens or 4)
     elif which == "judge":
@@ -181,7 +181,19 @@ async def bench_soak(config, *, sessions: int, seconds: float, max_tokens: int) 
     soak.print_report(report, accounting, sessions)
 
 
-async def bench_refuse(config, repeats: int, modes: tuple[str, ...] = ("decoded on loop", "pre-check", "byte check", "tokenised")) -> None:
+REFUSE_MODES = ("decoded on loop", "pre-check", "byte check", "tokenised")
+
+
+def refuse_modes(text: str) -> tuple[str, ...]:
+    """`--modes` of bench refuse: comma-separated names from REFUSE_MODES."""
+    modes = tuple(m.strip() for m in text.split(",") if m.strip())
+    unknown = [m for m in modes if m not in REFUSE_MODES]
+    if unknown or not modes:
+        raise SystemExit(f"ocrl: bench refuse --modes: unknown {unknown or [text]}; choose from {', '.join(REFUSE_MODES)}")
+    return modes
+
+
+async def bench_refuse(config, repeats: int, modes: tuple[str, ...] = REFUSE_MODES) -> None:
     import httpx
 
     from ocrl.api import DECODE_OFF_LOOP_ABOVE
