@@ -196,7 +196,7 @@ def refuse_modes(text: str) -> tuple[str, ...]:
 async def bench_refuse(config, repeats: int, modes: tuple[str, ...] = REFUSE_MODES) -> None:
     import httpx
 
-    from ocrl.api import DECODE_OFF_LOOP_ABOVE
+    from ocrl.bodies import DECODE_OFF_LOOP_ABOVE
     from ocrl.daemon import Daemon
 
     config = msgspec.structs.replace(config, port=config.port if config.port != 30000 else 30997, no_train=True)
