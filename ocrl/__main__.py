@@ -42,10 +42,11 @@ def main(argv: list[str] | None = None) -> int:
     config_mod.add_flags(serve)
     bench = commands.add_parser("bench", help="benchmarks, each a ratio against a baseline in the same run")
     bench.add_argument(
-        "which", choices=["serve", "train", "learn", "soak", "gpu", "openclaw", "refuse", "judge"],
-        help="serve: proxy overhead and batching; train: step, swap and stall; learn: a learning curve; soak: concurrent sessions for --seconds; gpu: engines on CUDA (swap, stall, step, tokens/s); openclaw: the real OpenClaw CLI end to end (needs node >= 24.16 and openclaw); refuse: healthz while four 7.9 MB bodies are refused; judge: the embed judge's ms per case on the held-out cases against the encoder's forward alone",
+        "which", choices=["serve", "train", "train-long", "learn", "soak", "gpu", "openclaw", "refuse", "judge"],
+        help="serve: proxy overhead and batching; train: step, swap and stall; train-long: a step on long agent samples with gradient checkpointing and without (time, peak RSS); learn: a learning curve; soak: concurrent sessions for --seconds; gpu: engines on CUDA (swap, stall, step, tokens/s); openclaw: the real OpenClaw CLI end to end (needs node >= 24.16 and openclaw); refuse: healthz while four 7.9 MB bodies are refused; judge: the embed judge's ms per case on the held-out cases against the encoder's forward alone",
     )
     bench.add_argument("--openclaw", default=None, help="openclaw: the folder where node@24 and openclaw@2026.9.6 were installed (see README) (or the CLI; default: on PATH, or $OCRL_OPENCLAW)")
+    bench.add_argument("--long-prompts", default=None, help="train-long: prompt lengths of one agent session's turns (default 3000,3300,3600)")
     bench.add_argument("--seconds", type=float, default=60.0, help="soak: how long to drive --concurrency sessions")
     bench.add_argument("--repeats", type=int, default=5)
     bench.add_argument("--max-tokens", type=int, default=None, help="completion tokens per request (serve/train 32, learn 48)")

@@ -105,6 +105,10 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     lora_alpha: int = 32
     full_finetune: bool = False
     micro_batch_tokens: int = 512  # steps give way between layers; one layer over 512 tokens ~ one CPU decode step
+    # recompute each decoder layer in the backward instead of keeping its activations (~1/3 more
+    # compute, a fraction of the memory): auto = for a micro-batch whose backward would otherwise
+    # take over half the memory available (long agent samples); on = every micro-batch; off = never
+    gradient_checkpointing: Literal["auto", "on", "off"] = "auto"
     train_yield_max: float = 10.0  # seconds a step may wait in all while the engine serves
     save_dir: str = ""  # default <record_dir>/checkpoints
     save_interval: int = 50

@@ -323,6 +323,7 @@ class Daemon:
             pending=trainer.pending,
             batch_size=self.config.rollout_batch_size,
             consumed_samples=trainer.consumed_samples,
+            excluded_too_long=trainer.excluded_too_long,
             last=msgspec.to_builtins(trainer.last_metrics),
         )
 

@@ -42,6 +42,14 @@ class Consumed(msgspec.Struct, array_like=True):
     step: int | None
 
 
+class Excluded(msgspec.Struct, array_like=True):
+    """A Consumed row (step None: excluded by rule) that says which rule; read back as Consumed."""
+
+    id: str
+    step: None
+    reason: str
+
+
 class Resumed(msgspec.Struct):
     resumed_at: int
 
@@ -183,7 +191,7 @@ class NoRecords:
     def distill(self, rows: list[dict]) -> None:
         pass
 
-    def consumed(self, sample_ids: list[str], step: int | None = None) -> None:
+    def consumed(self, sample_ids: list[str], step: int | None = None, reason: str | None = None) -> None:
         pass
 
     def forget_token_ids(self, through_step: int, keep: int = 0) -> int:
@@ -206,7 +214,7 @@ class Records:
         self._consumed = _Appender(self.dir / "consumed.jsonl", durable=True)
         self.full = False  # a write failed; main turns wait until `recover` finds space
         self.dropped_rows = 0  # report rows (verdicts, metrics, ...) lost to a failed write
-        self._owed: list[Consumed] = []  # consumed marks not yet written
+        self._owed: list[Consumed | Excluded] = []  # consumed marks not yet written
         self._forgotten: set[str] = set()  # sample ids whose token ids were blanked (--retain-samples)
 
     def _critical(self, appender: _Appender, rows: list) -> None:
@@ -323,10 +331,11 @@ class Records:
             sample = _without_text(sample)
         self._critical(self._journal, [sample])
 
-    def consumed(self, sample_ids: list[str], step: int | None = None) -> None:
-        """Marks samples used: by training step `step`, or (None) excluded by rule (mask 0). On
-        a failed write the marks are owed (`owed_consumed`) and written by `recover`."""
-        rows = [Consumed(sample_id, step) for sample_id in sample_ids]
+    def consumed(self, sample_ids: list[str], step: int | None = None, reason: str | None = None) -> None:
+        """Marks samples used: by training step `step`, or (None) excluded by rule (mask 0; or
+        `reason`, e.g. too_long: the row says which). On a failed write the marks are owed
+        (`owed_consumed`) and written by `recover`."""
+        rows = [Excluded(sample_id, None, reason) if reason else Consumed(sample_id, step) for sample_id in sample_ids]
         if self._owed:  # in order: owed marks first
             rows, self._owed = self._owed + rows, []
         try:

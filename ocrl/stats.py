@@ -156,6 +156,7 @@ class TrainingStats(msgspec.Struct, kw_only=True):
     pending: int = 0  # samples towards the next step
     batch_size: int = 0
     consumed_samples: int = 0
+    excluded_too_long: int = 0  # samples left out: their backward would not fit in the memory free (consumed.jsonl says too_long)
     last: dict[str, float | None] = {}  # the last step's metrics row (an infinite value is null in JSON)
 
 

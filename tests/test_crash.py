@@ -38,7 +38,7 @@ def standing_consumed(run_dir) -> list[tuple[str, int | None]]:
         if isinstance(row, dict):
             standing = [(i, s) for i, s in standing if s is None or s <= row["resumed_at"]]
         else:
-            standing.append(tuple(row))
+            standing.append((row[0], row[1]))  # a third item says which rule excluded it (too_long)
     return standing
 
 

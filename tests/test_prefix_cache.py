@@ -323,10 +323,12 @@ def test_the_agent_bench_sends_openclaw_shaped_prompts(embedded):
 
 
 def test_bench_train_sizes_the_long_sample_backward_before_running_it():
+    """bench train's guard asks the trainer's own budget (budget.py), checkpointing as it would."""
     from ocrl.bench.agent import backward_memory
+    from ocrl.train.budget import backward_bytes
 
     cached, _ = trainers()
     need, available = backward_memory(cached, session_samples())
-    # tiny Llama: 2 layers x (10 x 32 hidden + 4 x 64 intermediate) x 4 bytes per position, 25 positions
-    assert need == 2 * (10 * 32 + 4 * 64) * 4 * 25
+    checkpointed = cached.budget.plan(25).checkpoint
+    assert need == backward_bytes(cached.model.config, 25, checkpointed=checkpointed, lora_rank=4)  # 25: the longest sample
     assert available == -1 or available > 0

@@ -679,3 +679,84 @@ async def test_the_probe_tolerance_grows_with_each_log_probs_size(base, rtol, er
     row = await trainer.step(make_samples(base, 2))
     assert row["verified"] == (1.0 if verified else 0.0)
     assert row["probe_diff"] > 1e-3  # the flat bound alone is exceeded in every case
+
+
+# -- gradient checkpointing and the memory budget ----------------------------------------------
+
+
+@pytest.mark.parametrize("full_finetune", [False, True])
+async def test_gradient_checkpointing_gives_the_same_loss_gradients_and_step(base, full_finetune):
+    """--gradient-checkpointing on recomputes every decoder layer in the backward (it really
+    runs twice) and changes nothing else: the same loss, the same gradients (LoRA adapters, or
+    every weight), the same weights after the step."""
+    samples = make_samples(base, 6, lengths=(3, 12))
+    on, off = (Trainer(make_config(full_finetune=full_finetune, gradient_checkpointing=mode, micro_batch_tokens=24), base, engine=make_engine(base))
+               for mode in ("on", "off"))  # fmt: skip
+    runs = {id(on): 0, id(off): 0}
+    for trainer in (on, off):
+        for layer in trainer._checkpointed_layers or [m for m in trainer.model.modules() if type(m).__name__ == "LlamaDecoderLayer"]:
+            # runs with grad: the policy's forward, and its recompute (the reference runs without)
+            layer.self_attn.register_forward_hook(lambda *_, t=trainer: runs.__setitem__(id(t), runs[id(t)] + torch.is_grad_enabled()))
+    metrics_on, metrics_off = on.accumulate_gradients(samples), off.accumulate_gradients(samples)
+    micro_batches = len(pack(samples, 24))
+    assert runs[id(off)] == 2 * micro_batches and runs[id(on)] == 2 * 2 * micro_batches  # 2 layers; each again in the backward
+    for key in ("loss", "pg_loss", "kl", "entropy", "mismatch", "ratio_mean"):
+        assert_close(metrics_on[key], metrics_off[key], rtol=1e-5, atol=1e-7)
+    grads = 0
+    for (name, a), (_, b) in zip(off.model.named_parameters(), on.model.named_parameters()):
+        if a.requires_grad:
+            assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-7, msg=name)
+            grads += int(a.grad.abs().sum() > 0)
+    assert grads > 0
+    assert not any(layer.training for layer in on._checkpointed_layers)  # eval (no dropout) again after the forward
+    await on.step(samples)
+    await off.step(samples)
+    for (name, a), (_, b) in zip(off.model.named_parameters(), on.model.named_parameters()):
+        assert_close(b, a, rtol=0, atol=1e-6, msg=name)
+    assert on.version == off.version == 1
+
+
+def test_gradient_checkpointing_off_leaves_the_model_alone(base):
+    trainer = Trainer(make_config(gradient_checkpointing="off"), base, engine=make_engine(base))
+    assert trainer._checkpointed_layers == []
+    assert not trainer.budget.plan(10**6).checkpoint  # never, however long
+
+
+def test_auto_checkpoints_a_micro_batch_only_when_its_plain_backward_would_crowd_memory(base):
+    from ocrl.train.budget import AUTO_SHARE, Budget
+
+    budget = Budget("auto", base.config, torch.device("cpu"), lora_rank=4)
+    per_position = budget.need(1000, checkpointed=False) / 1000
+    assert budget.need(1000, checkpointed=True) < per_position * 1000  # 2 layers here; 30 (SmolLM2): ~10x less
+    budget.available = lambda: int(per_position * 1000 / AUTO_SHARE) + 10**6
+    short, long = budget.plan(1000), budget.plan(1100)
+    assert not short.checkpoint and short.need == budget.need(1000, checkpointed=False)
+    assert long.checkpoint and long.need == budget.need(1100, checkpointed=True) and long.fits
+    budget.available = lambda: -1  # unknown: plain
+    assert not budget.plan(10**6).checkpoint and budget.plan(10**6).fits
+
+
+@pytest.mark.parametrize("mode", ["auto", "off"])
+async def test_a_sample_too_long_for_the_memory_free_is_left_out_by_rule(base, tmp_path, mode):
+    """A sample whose backward would not fit even checkpointed (auto), or plain (off), is not
+    trained: the step trains the rest; the sample is marked consumed as too_long (not by the
+    step), counted, logged; never an OOM kill, never silently gone."""
+    records = Records(tmp_path / "run")
+    events = Events()
+    trainer = Trainer(make_config(gradient_checkpointing=mode), base, engine=make_engine(base), records=records, events=events)
+    samples = make_samples(base, 4, lengths=(3, 9))
+    long = make_samples(base, 1, seed=1, lengths=(40, 41))[0]
+    # free memory: room for the short samples' backward, not for the long one's (checkpointed or not)
+    trainer.budget.available = lambda: int(trainer.budget.need(30, checkpointed=False) / 0.8)
+    assert not trainer.budget.plan(len(long.tokens)).fits and all(trainer.budget.plan(len(s.tokens)).fits for s in samples)
+    row = await trainer.step(samples + [long])
+    assert row["samples"] == 4 and trainer.steps == 1
+    assert trainer.excluded_too_long == 1
+    lines = [json.loads(line) for line in (tmp_path / "run" / "consumed.jsonl").read_text().splitlines()]
+    assert [long.sample_id, None, "too_long"] in lines
+    assert {s.sample_id for s in samples} == {line[0] for line in lines if line[1] == 1}  # the step consumed the rest
+    assert long.sample_id in records.consumed_ids()  # excluded by rule: not queued again after a restart
+    assert long.sample_id not in {s.sample_id for s in records.backlog()}
+    # a batch of only such samples: no step, accounted all the same
+    assert await trainer.step([long]) is None and trainer.steps == 1 and trainer.excluded_too_long == 2
+    records.close()

@@ -123,7 +123,7 @@ async def serve_rows(client, url: str, headers: dict, engine, tokenizer, repeats
     ]
 
 
-LONG_PROMPTS = (3000, 3300, 3600)  # one session's consecutive turns; a 13k-token prompt needs ~13 GB for the backward in fp32
+LONG_PROMPTS = (3000, 3300, 3600)  # one session's consecutive turns (OpenClaw's lean agent grows to ~8k, its default to ~13k)
 
 
 async def agent_samples(engine, tokenizer, targets=LONG_PROMPTS, max_tokens: int = 16) -> list:
@@ -147,21 +147,83 @@ async def agent_samples(engine, tokenizer, targets=LONG_PROMPTS, max_tokens: int
 
 
 def backward_memory(trainer, samples: list) -> tuple[int, int]:
-    """(bytes a forward + backward over the longest sample keeps, by count: ~10 hidden-size and 4
-    intermediate-size fp32 activations per layer per position; bytes available now on the
-    trainer's device, or -1 where unknown)."""
-    import torch
+    """(resident bytes a step's backward over the longest sample adds at its peak, as the
+    trainer's own budget plans it (budget.py: checkpointed or not by --gradient-checkpointing);
+    bytes free now on the trainer's device, or -1 where unknown)."""
+    plan = trainer.budget.plan(max(len(s.tokens) for s in samples))
+    return plan.need, plan.available
 
-    config = trainer.model.config
-    per_position = config.num_hidden_layers * (10 * config.hidden_size + 4 * config.intermediate_size) * 4
-    need = per_position * max(len(s.tokens) for s in samples)
-    if trainer.device.type == "cuda":
-        return need, torch.cuda.mem_get_info(trainer.device)[0]
+
+class PeakRSS:
+    """The process's resident peak over a block, sampled every 10 ms by a thread, above what it
+    held when the block began (the C heap trimmed first, see memory.py)."""
+
+    def __enter__(self) -> "PeakRSS":
+        import threading
+
+        from ocrl import memory
+
+        memory.trim()
+        self.base = self.peak = memory.rss_mb()
+        self._stop = threading.Event()
+
+        def watch() -> None:
+            while not self._stop.wait(0.01):
+                self.peak = max(self.peak, memory.rss_mb())
+
+        self._thread = threading.Thread(target=watch, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        from ocrl import memory
+
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, memory.rss_mb())
+
+    @property
+    def added(self) -> int:
+        """Bytes above the start."""
+        return int((self.peak - self.base) * 2**20)
+
+
+def checkpoint_rows(trainer, samples: list, references: list) -> list[str]:
+    """One trainer step on `samples` (reference prefetched) with the decoder layers checkpointed
+    and the same without (a worker thread): step time per 1k prompt tokens and the resident peak
+    each added, beside what budget.py estimates for it (its calibration). A mode the budget says
+    would not fit the memory free now is not run, and the row says so."""
+    from ocrl.train import budget as budget_mod
+
+    prompt_k = sum(len(s.tokens) - s.response_length for s in samples) / 1000
+    longest = max(len(s.tokens) for s in samples)
+    kept_mode = trainer.budget.mode
+    trainer.probe = min(samples, key=lambda s: len(s.tokens))
+    results, rows = {}, []
     try:
-        with open("/proc/meminfo") as f:
-            return need, next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable"))
-    except (OSError, StopIteration):
-        return need, -1
+        for mode in ("on", "off"):  # the small peak first: a later peak is not hidden by an earlier one
+            trainer.budget.mode = mode
+            plan = trainer.budget.plan(longest)
+            if not plan.fits:
+                rows.append(f"    checkpointing {mode:3}: not run: ~{plan.need / 2**30:.1f} GiB estimated for {longest} tokens, "
+                            f"{plan.available / 2**30:.1f} GiB free")  # fmt: skip
+                continue
+            with PeakRSS() as peak:
+                started = time.perf_counter()
+                trainer._train(samples, references)
+                seconds = time.perf_counter() - started
+            results[mode] = seconds
+            count = plan.need / budget_mod.RSS_FACTOR  # torch's live bytes, counted
+            rows.append(f"    checkpointing {mode:3}: {seconds / prompt_k:6.2f} s per 1k prompt tokens; peak RSS +{peak.added / 2**30:.2f} GiB "
+                        f"({peak.added / longest / 2**20:.2f} MiB per position of the longest, {longest}); estimate {plan.need / 2**30:.2f} GiB "
+                        f"(measured / counted live bytes {peak.added / count:.2f}, RSS_FACTOR {budget_mod.RSS_FACTOR})")  # fmt: skip
+    finally:
+        trainer.budget.mode = kept_mode
+    lengths = ", ".join(str(len(s.tokens) - s.response_length) for s in samples)
+    head = f"  gradient checkpointing on long agent samples (prompts {lengths} tokens; one step each, reference prefetched)"
+    if len(results) == 2:
+        head += f": step on / off {results['on'] / results['off']:6.3f}x"
+    return [head] + rows
 
 
 def train_rows(trainer, samples: list, repeats: int, steps: bool = True) -> list[str]:

@@ -192,3 +192,29 @@ async def bench_train(config, repeats: int, max_tokens: int) -> None:
           f"({med(busy_first) * 1000:.0f} ms vs {med(quiet_first) * 1000:.0f} ms, worst {max(busy_first) * 1000:.0f} ms; "
           f"its longest gap {max(busy_gap) / decode:.2f}x decode)")
     print("\n".join(agent_rows))
+
+
+async def bench_train_long(config, prompts: tuple[int, ...], max_tokens: int) -> None:
+    """`bench train-long`: the long agent rows alone (bench/agent.py), at the prompt lengths
+    given (--long-prompts, one session's turns): one trainer step with gradient checkpointing
+    and one without, time per 1k prompt tokens and resident peak of each, in the same run."""
+    from ocrl import memory, models
+    from ocrl.daemon import set_threads
+    from ocrl.engine.hf import HFEngine
+    from ocrl.train.trainer import Trainer
+
+    set_threads(config)
+    if hasattr(memory, "tune") and not getattr(config, "no_malloc_tune", False):
+        memory.tune()  # the allocator as the daemon sets it, so the peaks are the daemon's
+    loaded = await anyio.to_thread.run_sync(lambda: models.load(config.model, device=config.device, dtype=config.dtype, random_init=config.random_init))
+    engine = HFEngine(loaded, max_batch_size=config.max_batch_size, prefix_cache_budget="off")
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(engine.run)
+        samples = await bench_agent.agent_samples(engine, loaded.tokenizer, targets=prompts, max_tokens=max_tokens)
+        tg.cancel_scope.cancel()
+    del engine  # what serving held is not the trainer's to measure
+    trainer = await anyio.to_thread.run_sync(lambda: Trainer(config, loaded.model, engine=None, yield_to=None))
+    references = await anyio.to_thread.run_sync(lambda: trainer.response_logprobs(samples, reference=True))
+    print(f"bench train-long ({loaded.name}, {config.threads or 'half the'} torch threads, --gradient-checkpointing {config.gradient_checkpointing})")
+    for row in await anyio.to_thread.run_sync(bench_agent.checkpoint_rows, trainer, samples, references):
+        print(row)

@@ -23,6 +23,7 @@ import torch
 
 from ocrl.loaded import LORA_TARGETS
 from ocrl.train.batch import MicroBatch, teacher_view
+from ocrl.train.budget import Budget
 from ocrl.train.loss import entropy_from_logits, token_logprobs
 from ocrl.train.reference_prefix import ReferencePrefix
 from ocrl.types import Sample
@@ -103,6 +104,10 @@ class Policy:
         self.lora = config.lora_rank > 0 and not config.full_finetune
         self.publish_adapters = publish_adapters
         self.model, self.reference = self._build(model)
+        mode = getattr(config, "gradient_checkpointing", "off")
+        self._checkpointed_layers = self._enable_checkpointing() if mode != "off" else []
+        # when a micro-batch's backward recomputes its layers, and whether a sample fits at all
+        self.budget = Budget(mode, self.model.config, self.device, lora_rank=config.lora_rank if self.lora else 0, full_finetune=not self.lora)
         # the reference never changes: its KV for a session's earlier turn serves the next turn
         self.reference_prefix = ReferencePrefix(getattr(config, "prefix_cache", "0"), self.device)
 
@@ -134,23 +139,63 @@ class Policy:
             warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
             return get_peft_model(base, lora), None
 
+    def _enable_checkpointing(self) -> list[torch.nn.Module]:
+        """Lets the trained model recompute each decoder layer in the backward instead of keeping
+        its activations (transformers' activation checkpointing, non-reentrant), switched per
+        forward by `checkpoint=`; off until then. Returns the layers it can switch."""
+        from transformers.modeling_layers import GradientCheckpointingLayer
+
+        inner = self.model.get_base_model() if self.lora else self.model
+        # transformers 5 renamed gradient_checkpointing_enable (kept as a deprecated alias)
+        enable = getattr(inner, "activation_checkpointing_enable", None) or inner.gradient_checkpointing_enable
+        enable({"use_reentrant": False})
+        # it also makes the embeddings' output require grad, which only the reentrant variant
+        # needs (LoRA: no input of a checkpointed layer would otherwise require grad); the
+        # non-reentrant one reaches the adapters' weights without it, and layer 0 then computes
+        # no input gradient nobody reads
+        inner.disable_input_require_grads()
+        layers = [m for m in inner.modules() if isinstance(m, GradientCheckpointingLayer)]
+        for layer in layers:
+            layer.gradient_checkpointing = False
+        return layers
+
+    @contextlib.contextmanager
+    def _checkpointing(self, on: bool):
+        """Decoder layers recompute in the backward while `on`. transformers checkpoints a layer
+        only in training mode: the layer's own flag is set, never its submodules' (no dropout)."""
+        if not on:
+            yield
+            return
+        if not self._checkpointed_layers:
+            raise ValueError("gradient checkpointing was not enabled for this model (--gradient-checkpointing off)")
+        for layer in self._checkpointed_layers:
+            layer.gradient_checkpointing, layer.training = True, True
+        try:
+            yield
+        finally:
+            for layer in self._checkpointed_layers:
+                layer.gradient_checkpointing, layer.training = False, False
+
     def _reference_mode(self):
         """The model to run for reference log-probs, and the context that makes it the base."""
         if self.lora:
             return self.model, self.model.disable_adapter()
         return self.reference, contextlib.nullcontext()
 
-    def forward(self, model, batch: MicroBatch, *, entropy: bool = False, every: bool = False) -> Forward:
+    def forward(self, model, batch: MicroBatch, *, entropy: bool = False, every: bool = False, checkpoint: bool = False) -> Forward:
         """`model` on `batch`'s response tokens; with `entropy` their entropy (with gradient only
-        when --entropy-coef reads it), with `every` the whole log-softmax."""
+        when --entropy-coef reads it), with `every` the whole log-softmax. `checkpoint`: the
+        trained model's decoder layers keep only their inputs for the backward and run again in
+        it (one more forward for ~1/20 of the activation memory; see budget.py)."""
         span = batch.targets.shape[1]
-        out = model(
-            input_ids=batch.input_ids,
-            attention_mask=batch.attention_mask,
-            position_ids=batch.position_ids,
-            use_cache=False,
-            logits_to_keep=span + 1,
-        )
+        with self._checkpointing(checkpoint):
+            out = model(
+                input_ids=batch.input_ids,
+                attention_mask=batch.attention_mask,
+                position_ids=batch.position_ids,
+                use_cache=False,
+                logits_to_keep=span + 1,
+            )
         logits = out.logits[:, :-1]  # (B, R, V): position t predicts response token t
         if every:
             whole = torch.log_softmax(logits.float(), dim=-1)  # (B, R, V)

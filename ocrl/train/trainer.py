@@ -93,6 +93,7 @@ class Trainer(Policy):
         self.steps = 0
         self.version = 0  # the weights_version the engine last acknowledged from us
         self.consumed_samples = 0
+        self.excluded_too_long = 0  # samples left out because their backward would not fit in memory
         self.last_metrics: dict[str, float] = {}
         self.probe: Sample | None = None  # the last step's first sample: proves each swap landed
         self.distilled_rows: list[dict] = []  # the last step's distilled samples and their teacher advantages
@@ -115,6 +116,24 @@ class Trainer(Policy):
             raise ValueError(f"{len(references)} references for {len(batch)} samples")
         return await self._step([Pending(s, r, prefetched=r is not None) for s, r in zip(batch, references)])
 
+    def _within_memory(self, entries: list[Pending]) -> list[Pending]:
+        """The entries whose backward fits the memory free now (budget.py); each one that does
+        not, even checkpointed, is left out by rule: marked consumed as too long, counted in
+        `excluded_too_long`, logged. Better one sample untrained than the daemon killed."""
+        kept = []
+        for entry in entries:
+            plan = self.budget.plan(len(entry.sample.tokens))
+            if plan.fits:
+                kept.append(entry)
+                continue
+            self.excluded_too_long += 1
+            self.records.consumed([entry.sample.sample_id], reason="too_long")
+            note = (f"sample {entry.sample.sample_id} left out of training: {len(entry.sample.tokens)} tokens need ~{plan.need / 2**30:.1f} GiB "
+                    f"for the backward{' checkpointed' if plan.checkpoint else ''}, {plan.available / 2**30:.1f} GiB free")  # fmt: skip
+            log.warning(note)
+            self.events.log("warning", note)
+        return kept
+
     async def _step(self, entries: list[Pending]) -> dict[str, float] | None:
         """One step on `entries`. With --batch-counts all (rl) mask-0 samples may be among them:
         they count toward the batch and its divisor, but no forward runs on them; a batch of only
@@ -126,9 +145,14 @@ class Trainer(Policy):
                 raise ValueError(f"sample {sample.sample_id}: {problem}")
         if not drawn:
             raise ValueError("empty batch")
-        entries = [entry for entry in entries if entry.sample.effective]
+        effective = [entry for entry in entries if entry.sample.effective]
+        entries = self._within_memory(effective)
+        if left_out := {id(e.sample) for e in effective} - {id(e.sample) for e in entries}:  # accounted for already
+            drawn = [s for s in drawn if id(s) not in left_out]
         batch = [entry.sample for entry in entries]
         if not batch:
+            if not drawn:
+                return None
             self.records.consumed([s.sample_id for s in drawn])
             self.consumed_samples += len(drawn)
             log.info("a batch of %d mask-0 samples: consumed without a step", len(drawn))
@@ -230,7 +254,8 @@ class Trainer(Policy):
             ref_logprobs = self.reference_rows(group, micro, prefetched) if config.kl_coef != 0 else None  # (B, R)
             teacher = self.teacher_rows(group, micro, taught) if distill else None
             self.give_way.point()
-            policy = self.forward(self.model, micro, entropy=True, every=topk)  # (B, R); (B, R, V) with top-K
+            checkpoint = self.budget.plan(micro.input_ids.numel()).checkpoint  # --gradient-checkpointing
+            policy = self.forward(self.model, micro, entropy=True, every=topk, checkpoint=checkpoint)  # (B, R); (B, R, V) with top-K
             old = policy.logprobs.detach() if config.old_logprobs == "recompute" else micro.rollout_logprobs
             loss, diagnostics = policy_loss(
                 policy.logprobs,
