@@ -149,3 +149,18 @@ def parse_completion(text: str, tools_offered: bool) -> tuple[str | None, list[d
         if calls:
             text = text[: text.index("<tool_call>")].strip()
     return (text or None) if calls else text, calls, reasoning
+
+
+def streamable(text: str, tools_offered: bool) -> int:
+    """How much of a completion still being generated may go out as content: with tools offered,
+    everything before a `<tool_call>` block, or before a tail that may be the start of one."""
+    if not tools_offered:
+        return len(text)
+    at = text.find("<tool_call>")
+    if at >= 0:
+        return at
+    marker = "<tool_call>"
+    for n in range(min(len(marker) - 1, len(text)), 0, -1):
+        if text.endswith(marker[:n]):
+            return len(text) - n
+    return len(text)

@@ -4,7 +4,7 @@ by the policy with no chat template.
 A raw prompt has no conversation in it: nothing says which words are the user's reply to an
 earlier answer, so no next state can be found and nothing is judged. Completions are therefore
 served and recorded as side turns (never trained on); asking for a main turn is a 400. Served
-through the chat pipeline's generate and keep steps (api.py), so timeouts, the queue bound and
+through the chat pipeline's generate and keep steps (pipeline.py), so timeouts, the queue bound and
 the request log behave alike.
 
 Accepted: `prompt` as a string or a list of token ids (or a list holding exactly one of those),
@@ -28,8 +28,10 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from ocrl import guard
-from ocrl.api import answered, ApiError, Prepared, StreamOptions, check_fields, json_response
+from ocrl.chat_request import StreamOptions, check_fields
 from ocrl.engine.base import EngineError
+from ocrl.pipeline import Prepared
+from ocrl.replies import ApiError, answered, json_response, stream_error
 from ocrl.streams import Accumulator, merged
 from ocrl.types import Message
 
@@ -166,7 +168,7 @@ class Completions:
                 raise EngineError("generation ended without a final chunk")
         except (EngineError, TimeoutError) as e:
             api.sessions.abort(prepared.ticket)
-            yield api.stream_error(prepared.scope, e)
+            yield stream_error(prepared.scope, e)
             yield b"data: [DONE]\n\n"
             return
         except BaseException:

@@ -41,8 +41,9 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from ocrl import chat
-from ocrl.api import answered, Api, ApiError, decode_request, error_response, json_response
+from ocrl.chat_request import decode_request
 from ocrl.engine.base import EngineError
+from ocrl.replies import ApiError, answered, error_response, json_response, stream_error
 from ocrl.streams import Accumulator, merged
 
 log = logging.getLogger("ocrl.responses")
@@ -162,7 +163,7 @@ def to_response_format(text: dict[str, Any] | None) -> dict | None:
 
 
 class Responses:
-    """The two routes, over the Api's chat pipeline and a bounded store of finished responses."""
+    """The two routes, over the shared chat pipeline (pipeline.py) and a bounded store of finished responses."""
 
     def __init__(self, api):
         self.api = api
@@ -257,7 +258,7 @@ class Responses:
                         yield event("response.output_item.added", output_index=0, item=item)
                         yield event("response.output_item.done", output_index=0, item=item)
                     # text streams as it comes, up to where a tool call may begin
-                    safe = Api._streamable(visible, tools_offered)
+                    safe = chat.streamable(visible, tools_offered)
                     if streamed is None and visible[:safe].strip():
                         streamed = ""
                         index = int(reasoning_sent)
@@ -271,7 +272,7 @@ class Responses:
                 raise EngineError("generation ended without a final chunk")
         except (EngineError, TimeoutError) as e:
             api.sessions.abort(prepared.ticket)
-            api.stream_error(prepared.scope, e)
+            stream_error(prepared.scope, e)
             failed = shape.envelope("failed")
             failed["error"] = {"code": "server_error", "message": str(e) or "generation timed out"}
             yield event("response.failed", response=failed)
@@ -283,7 +284,7 @@ class Responses:
         try:
             [turn] = api.keep(prepared, [completion])
         except ApiError as e:  # the text went out, but the turn cannot be kept (a full disk): say so
-            api.stream_error(prepared.scope, e)
+            stream_error(prepared.scope, e)
             failed = shape.envelope("failed")
             failed["error"] = {"code": e.code or e.type, "message": e.message}
             yield event("response.failed", response=failed)

@@ -187,7 +187,8 @@ def test_no_max_tokens_may_use_the_rest_of_the_context():
 
     import msgspec
 
-    from ocrl.api import Api, ChatRequest
+    from ocrl.api import Api
+    from ocrl.chat_request import ChatRequest
     from ocrl.config import Config
 
     plain = msgspec.convert({"messages": [{"role": "user", "content": "hi"}]}, ChatRequest)

@@ -9,7 +9,9 @@ from types import SimpleNamespace
 import anyio
 import pytest
 
-from ocrl.api import Api, ApiError, decode_request
+from ocrl.api import Api
+from ocrl.chat_request import decode_request
+from ocrl.replies import ApiError
 
 
 def api_stub(threshold: int):
@@ -40,7 +42,7 @@ async def test_a_bad_large_body_is_still_a_400():
 
 
 def test_a_body_too_large_for_any_fitting_prompt_is_refused_before_decoding():
-    from ocrl.api import BODY_SLACK
+    from ocrl.bodies import BODY_SLACK
 
     stub = SimpleNamespace(body_precheck=True, engine=SimpleNamespace(max_context=100), _longest_token=lambda: 10)
     most = 6 * 100 * 10 + BODY_SLACK

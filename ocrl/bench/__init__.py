@@ -6,9 +6,11 @@ repeats, because timings on shared machines swing several-fold between runs.
 - `soak`: many concurrent sessions for a while through the real HTTP API (training on unless
   --no-train): failed requests, latency, resident memory at the end over once warm, and every
   main turn's sample accounted for in the run directory.
-- `refuse`: /healthz latency while four 7.9 MB chat bodies are refused at once, over its
-  latency idle: with the character pre-check (refused before tokenising) and without it (each
-  body templated and tokenised in the worker thread, then refused by its token count).
+- `refuse`: /healthz latency while four 7.9 MB chat bodies (sent from another process, as by
+  real clients) are refused at once, over its latency idle, per `--modes`: refused by their
+  byte size before decoding ("byte check"), by their character count after decoding in a worker
+  thread ("pre-check") or on the loop ("decoded on loop"), or by their token count after
+  templating and tokenising in the worker thread ("tokenised").
 - `serve`: (a) the proxy's median end-to-end latency over calling the engine directly with the
   same prompt and sampling (the overhead of HTTP, validation, templating, sessions); (b) the wall
   time of 8 concurrent requests over 8 sequential ones (what batched decoding buys); (c) agent
@@ -198,10 +200,38 @@ def refuse_modes(text: str) -> tuple[str, ...]:
     return modes
 
 
-async def bench_refuse(config, repeats: int, modes: tuple[str, ...] = REFUSE_MODES) -> None:
-    import httpx
+# The four bodies go from another process, as from real clients: sent from the daemon's own event
+# loop (as before), writing 31.6 MB into sockets cost that loop as much as reading them did.
+REFUSE_SENDER = """
+import json, sys, threading, time
+import httpx
+url, body_path, headers = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+body = open(body_path, "rb").read()
+print("ready", flush=True)
+for _ in sys.stdin:  # a line per round: four bodies at once, then their statuses and wall time
+    statuses = []
+    def send():
+        statuses.append(httpx.post(url, content=body, headers=headers, timeout=600).status_code)
+    threads = [threading.Thread(target=send) for _ in range(4)]
+    started = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    print(json.dumps({"wall": time.perf_counter() - started, "statuses": statuses}), flush=True)
+"""
 
-    from ocrl.api import DECODE_OFF_LOOP_ABOVE
+
+async def bench_refuse(config, repeats: int, modes: tuple[str, ...] = REFUSE_MODES) -> None:
+    import json
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    import httpx
+    from anyio.streams.buffered import BufferedByteReceiveStream
+
+    from ocrl.bodies import DECODE_OFF_LOOP_ABOVE
     from ocrl.daemon import Daemon
 
     config = msgspec.structs.replace(config, port=config.port if config.port != 30000 else 30997, no_train=True)
@@ -210,46 +240,47 @@ async def bench_refuse(config, repeats: int, modes: tuple[str, ...] = REFUSE_MOD
     huge = msgspec.json.encode({"messages": [{"role": "user", "content": "word " * 1_580_000}], "max_tokens": 2})
     headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {config.api_key}"} if config.api_key else {})
     results: dict[str, tuple[list[float], list[float], list[int]]] = {}
-    async with serving(daemon):
-        base = f"http://{config.host}:{config.port}"
-        async with httpx.AsyncClient(base_url=base, timeout=600) as client:
+    with tempfile.TemporaryDirectory() as folder:
+        body_path = Path(folder) / "body.json"
+        body_path.write_bytes(huge)
+        async with serving(daemon):
+            base = f"http://{config.host}:{config.port}"
+            sender = await anyio.open_process([sys.executable, "-c", REFUSE_SENDER, base + "/v1/chat/completions", str(body_path), json.dumps(headers)], stderr=None)
+            replies = BufferedByteReceiveStream(sender.stdout)
+            await replies.receive_until(b"\n", 64)  # ready: imported and read the body
+            async with sender, httpx.AsyncClient(base_url=base, timeout=600) as client:
 
-            async def pings(until: anyio.Event, into: list[float]) -> None:
-                while not until.is_set():
-                    started = time.perf_counter()
-                    await client.get("/healthz")
-                    into.append(time.perf_counter() - started)
-                    await anyio.sleep(0.02)
-
-            idle: list[float] = []
-            done = anyio.Event()
-            async with anyio.create_task_group() as inner:
-                inner.start_soon(pings, done, idle)
-                await anyio.sleep(2.0)
-                done.set()
-            for mode in modes:
-                # "decoded on loop": the pre-check, but the JSON decoded on the event loop as before
-                daemon.api.decode_off_loop_above = math.inf if mode == "decoded on loop" else DECODE_OFF_LOOP_ABOVE
-                daemon.api.body_precheck = mode == "byte check"  # refused by size, never decoded
-                if mode == "tokenised":  # the pre-check off: every body reaches the tokenizer
-                    daemon.api._token_chars = 10**9
-                latencies, walls, statuses = [], [], []
-                for _ in range(repeats):
-                    done = anyio.Event()
-
-                    async def refuse() -> None:
-                        reply = await client.post("/v1/chat/completions", content=huge, headers=headers)
-                        statuses.append(reply.status_code)
-
-                    async with anyio.create_task_group() as inner:
-                        inner.start_soon(pings, done, latencies)
+                async def pings(until: anyio.Event, into: list[float]) -> None:
+                    while not until.is_set():
                         started = time.perf_counter()
-                        async with anyio.create_task_group() as four:
-                            for _ in range(4):
-                                four.start_soon(refuse)
-                        walls.append(time.perf_counter() - started)
-                        done.set()
-                results[mode] = (latencies, walls, statuses)
+                        await client.get("/healthz")
+                        into.append(time.perf_counter() - started)
+                        await anyio.sleep(0.02)
+
+                idle: list[float] = []
+                done = anyio.Event()
+                async with anyio.create_task_group() as inner:
+                    inner.start_soon(pings, done, idle)
+                    await anyio.sleep(2.0)
+                    done.set()
+                for mode in modes:
+                    # "decoded on loop": the pre-check, but the JSON decoded on the event loop as before
+                    daemon.api.decode_off_loop_above = math.inf if mode == "decoded on loop" else DECODE_OFF_LOOP_ABOVE
+                    daemon.api.body_precheck = mode == "byte check"  # refused by size, never decoded
+                    if mode == "tokenised":  # the pre-check off: every body reaches the tokenizer
+                        daemon.api._token_chars = 10**9
+                    latencies, walls, statuses = [], [], []
+                    for _ in range(repeats):
+                        done = anyio.Event()
+                        async with anyio.create_task_group() as inner:
+                            inner.start_soon(pings, done, latencies)
+                            await sender.stdin.send(b"go\n")
+                            round_ = json.loads(await replies.receive_until(b"\n", 1 << 16))
+                            done.set()
+                        walls.append(round_["wall"])
+                        statuses += round_["statuses"]
+                    results[mode] = (latencies, walls, statuses)
+                await sender.stdin.aclose()
     idle_med = statistics.median(idle)
     print(f"bench refuse: four {len(huge) / 1e6:.1f} MB chat bodies at once, {repeats} repeats; /healthz idle median {idle_med * 1000:.1f} ms")
     for mode, (latencies, walls, statuses) in results.items():

@@ -42,7 +42,7 @@ class Replica:
 
         torch.set_num_threads(config.threads or 1)  # one actor per CPU Ray gives it
         self.index = index
-        self.incarnation = uuid.uuid4().hex[:8]  # changes when Ray restarts the actor
+        self.incarnation = uuid.uuid4().int % 2**31 + 1  # changes when Ray restarts the actor (never 0)
         self.started = time.time()
         loaded = models.load(
             config.model, device=config.device, dtype=config.dtype, random_init=config.random_init,

@@ -87,14 +87,14 @@ class _Slot:
     index: int
     handle: object
     ready: bool = False  # up and holding the current weights version
-    incarnation: str = ""
+    incarnation: int = 0  # 0: not seen yet
     inflight: int = 0
     routed: int = 0
     status: dict = field(default_factory=dict)
     last_error: str = ""
 
     @property
-    def key(self) -> tuple[int, str]:
+    def key(self) -> tuple[int, int]:
         return self.index, self.incarnation
 
 
