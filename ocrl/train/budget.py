@@ -29,7 +29,8 @@ import torch
 log = logging.getLogger("ocrl.train")
 
 FLOAT = 4  # bytes: the trainer's copy is fp32
-RSS_FACTOR = 2.8  # resident peak / torch's live peak over a step on long samples (bench train, README)
+RSS_FACTOR = 2.8  # CPU: resident peak / torch's live peak over a step on long samples (bench train-long, README)
+CUDA_FACTOR = 1.25  # CUDA: the caching allocator's fragmentation, a guess (not measured on a GPU yet)
 AUTO_SHARE = 0.5  # --gradient-checkpointing auto: checkpoint a micro-batch that would take over this share of what is free
 FIT_SHARE = 0.8  # a sample is left out when even its cheapest backward would take over this share of what is free
 
@@ -52,21 +53,23 @@ def layer_bytes(model_config, lora_rank: int = 0, full_finetune: bool = False) -
     return int(kept * 1.1) if full_finetune else kept  # full: the frozen-weight shortcuts are gone (+~10% counted)
 
 
-def backward_bytes(model_config, positions: int, *, checkpointed: bool, lora_rank: int = 0, full_finetune: bool = False) -> int:
-    """Estimated resident bytes a forward + backward over `positions` (rows x padded width) adds
-    at its peak, with or without checkpointing."""
+def backward_bytes(
+    model_config, positions: int, *, checkpointed: bool, lora_rank: int = 0, full_finetune: bool = False, device: str = "cpu"
+) -> int:
+    """Estimated bytes a forward + backward over `positions` (rows x padded width) adds at its
+    peak, with or without checkpointing: resident memory on a CPU, allocator memory on CUDA."""
     layers, h, i, _, _ = _dims(model_config)
     layer = layer_bytes(model_config, lora_rank, full_finetune)
     transient = FLOAT * (2 * i + 2 * h)
     per_position = layers * FLOAT * h + layer + transient if checkpointed else layers * layer + transient
-    return int(RSS_FACTOR * per_position * positions)
+    return int((CUDA_FACTOR if device == "cuda" else RSS_FACTOR) * per_position * positions)
 
 
 def available_bytes(device: torch.device) -> int:
     """Memory free for the trainer now: the GPU's free memory, else the machine's (and its
     cgroup's) available memory; -1 when unknown."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
+    if device.type == "cuda":  # free on the card, and what torch's cache holds free for reuse
+        return torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
     free = []
     try:
         with open("/proc/meminfo") as f:
@@ -104,10 +107,12 @@ class Budget:
         self.mode = mode
         self.model_config = model_config
         self.lora_rank, self.full_finetune = lora_rank, full_finetune
-        self.available = available or (lambda: available_bytes(device))
+        self.device = torch.device(device)
+        self.available = available or (lambda: available_bytes(self.device))
 
     def need(self, positions: int, checkpointed: bool) -> int:
-        return backward_bytes(self.model_config, positions, checkpointed=checkpointed, lora_rank=self.lora_rank, full_finetune=self.full_finetune)
+        return backward_bytes(self.model_config, positions, checkpointed=checkpointed, lora_rank=self.lora_rank,
+                              full_finetune=self.full_finetune, device=self.device.type)  # fmt: skip
 
     def plan(self, positions: int) -> Plan:
         """on: always checkpoint; off: never; auto: when the plain backward would take over
