@@ -3,7 +3,9 @@ subprocess, as a user starts it, joining the cluster with --ray-address HOST:POR
 transformers-engine replicas of `--random-init tiny`, the real `openai` client. Routing and
 session affinity, trained versions reaching both replicas (probe verified on each), and a
 replica killed with ray.kill mid-request: only its request fails, the other keeps serving, Ray
-restarts it and it serves the current version again.
+restarts it and it serves the current version again; and the crash tests' accounting (every acknowledged
+main turn journaled once, trained at most once, nothing kept for a failed request) after a kill
+mid-traffic with training on.
 
 One cluster and one daemon for the module: Ray and two replica processes take most of the time.
 """
@@ -11,6 +13,7 @@ One cluster and one daemon for the module: Ray and two replica processes take mo
 from __future__ import annotations
 
 import os
+from collections import Counter
 import threading
 import time
 
@@ -158,4 +161,97 @@ def test_a_killed_replica_fails_only_its_requests_and_comes_back_with_the_curren
     for i in range(4):
         chat(client, [{"role": "user", "content": f"after {i}"}], f"after{i}", max_tokens=2)
     assert all(r["routed"] > b for r, b in zip(replicas(cluster), served_before))
+    assert httpx.get(cluster.url + "/healthz").status_code == 200
+
+
+def test_a_replica_killed_mid_traffic_loses_no_sample_and_trains_none_twice(cluster):
+    """The crash tests' accounting, in cluster mode with training on: sessions run while the replica
+    serving a long stream is killed. Every acknowledged main turn is journaled once and trained at
+    most once; each failed request got OpenAI's error shape and left no turn behind (the client
+    retries it, as a real one does)."""
+    import openai
+    from openai import OpenAI
+    from test_crash import rows, standing_consumed
+
+    client = OpenAI(base_url=cluster.url + "/v1", api_key=API_KEY, max_retries=0)
+    sessions, turns = [f"f{i}" for i in range(6)], 3
+    acked: dict[tuple[str, int], int] = {}  # (session, turn index) -> the weights version it was served with
+    failures: list[Exception] = []
+    flowing = threading.Event()
+
+    def ask(sid: str, messages: list, done: bool, long: bool = False):
+        headers = {"X-Session-Id": sid} | ({"X-Session-Done": "1"} if done else {})
+        while True:
+            try:
+                if long:  # streamed, so the test knows its tokens are flowing before the kill
+                    long, text = False, ""
+                    stream = client.chat.completions.create(
+                        model="m", messages=messages, max_tokens=1500, temperature=0, stream=True, extra_headers=headers
+                    )
+                    for n, chunk in enumerate(stream):
+                        if n == 3:
+                            flowing.set()
+                        text += chunk.choices[0].delta.content or "" if chunk.choices else ""
+                        last = chunk
+                    return text, last.ocrl
+                r = client.chat.completions.create(model="m", messages=messages, max_tokens=12, temperature=0, extra_headers=headers)
+                return r.choices[0].message.content, r.ocrl
+            except openai.APIError as e:
+                failures.append(e)  # then retried, as a client does
+
+    def session(sid: str, long: bool = False):
+        messages = [{"role": "user", "content": f"{sid}: what is {sid[1:]}+2?"}]
+        for turn in range(turns):
+            text, ocrl = ask(sid, messages, done=turn == turns - 1, long=long and turn == 0)
+            assert ocrl["turn_type"] == "main"
+            acked[(sid, ocrl["turn_index"])] = ocrl["weights_version"]
+            messages += [{"role": "assistant", "content": text}, {"role": "user", "content": f"next [votes: {1 if turn % 2 else -1}]"}]
+
+    steps_before = cluster.stats()["training"]["steps"]
+    threads = [threading.Thread(target=session, args=(sessions[0], True))]
+    threads[0].start()
+    assert flowing.wait(60), "the long stream never flowed"
+    victim = next(r for r in replicas(cluster) if r["inflight"])
+    threads += [threading.Thread(target=session, args=(sid,)) for sid in sessions[1:]]
+    for t in threads[1:]:
+        t.start()
+    wait_until(lambda: len(acked) >= 1, 60, "traffic under way")  # soon: the long stream must still be running
+    ray.kill(ray.get_actor(f"ocrl-{cluster.port}-replica-{victim['index']}", namespace="ocrl"), no_restart=False)
+    for t in threads:
+        t.join(180)
+    assert not any(t.is_alive() for t in threads)
+    assert len(acked) == len(sessions) * turns
+    # the long stream's request failed with a clear error, in OpenAI's shape; so did any other the kill cut
+    assert failures and all(isinstance(e, openai.APIError) and "went away" in e.message for e in failures), failures
+    for e in failures:
+        assert e.body["type"] == "server_error" and set(e.body) >= {"message", "type", "param", "code"}, e.body
+    wait_until(lambda: (r := replicas(cluster)[victim["index"]])["ready"] and r["incarnation"] != victim["incarnation"], 120, "the replica back")
+
+    def mine(sample_id: str) -> bool:
+        return sample_id.split(":")[0] in sessions
+
+    def accounting() -> dict:
+        main = [t for t in rows(cluster.record_dir / "turns.jsonl") if t["turn_type"] == "main" and t["session_id"] in sessions]
+        journal = Counter(r["sample_id"] for r in rows(cluster.record_dir / "journal.jsonl") if mine(r["sample_id"]))
+        effective = {r["sample_id"] for r in rows(cluster.record_dir / "journal.jsonl") if mine(r["sample_id"]) and any(r["loss_mask"])}
+        consumed = [(i, step) for i, step in standing_consumed(cluster.record_dir) if mine(i)]
+        return dict(
+            main=main, main_ids={f"{t['session_id']}:{t['session_uid']}:{t['index']}" for t in main}, journal=journal,
+            effective=effective, trained=Counter(i for i, step in consumed if step is not None),
+        )
+
+    def settled() -> bool:
+        a = accounting()
+        s = cluster.stats()
+        return a["main_ids"] <= set(a["journal"]) and s["sessions"]["judging"] == 0 and s["training"]["pending"] < 4
+
+    wait_until(settled, 180, "every turn journaled and the full batches trained")
+    a = accounting()
+    # nothing recorded for a failed request: the turns kept are exactly the ones the client was given
+    assert {(t["session_id"], t["index"]): t["weights_version"] for t in a["main"]} == acked
+    assert a["main_ids"] == set(a["journal"]) and max(a["journal"].values()) == 1  # none missing, none twice
+    assert a["trained"] and max(a["trained"].values()) == 1 and set(a["trained"]) <= set(a["journal"])  # none trained twice
+    assert cluster.stats()["training"]["steps"] > steps_before
+    metrics = rows(cluster.record_dir / "metrics.jsonl")
+    assert metrics and all(m["verified"] == 1.0 for m in metrics)  # every swap verified on the replicas that took it
     assert httpx.get(cluster.url + "/healthz").status_code == 200

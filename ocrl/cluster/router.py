@@ -258,6 +258,11 @@ class Cluster:
         rows = await asyncio.gather(*(s.handle.score.remote(prompt_ids, response_ids) for s in slots), return_exceptions=True)
         first = None
         for slot, row in zip(slots, rows):
+            if isinstance(row, self.ray.exceptions.RayActorError):
+                # died while scoring: out until Ray restarts it and it reloads the current version;
+                # the probe stands on the replicas that answered
+                self._take_out(slot, f"died scoring the probe: {type(row).__name__}")
+                continue
             if isinstance(row, BaseException):
                 slot.status["probe"] = f"failed: {type(row).__name__}"
                 raise EngineError(f"replica {slot.index} could not score the probe: {row}")
@@ -266,7 +271,9 @@ class Cluster:
             diff = max((abs(a - b) for a, b in zip(row, first)), default=0.0) if len(row) == len(first) else float("inf")
             slot.status["probe_diff"] = diff
             if diff > self.agree_atol:
-                raise EngineError(f"replica {slot.index} serves log-probs {diff:.3g} away from replica {slots[0].index}")
+                raise EngineError(f"replica {slot.index} serves log-probs {diff:.3g} away from the first that scored")
+        if first is None:
+            raise EngineError("every replica went away while scoring the probe")
         return first
 
     async def update_weights(self, named_tensors: dict[str, torch.Tensor], version: int) -> float:
