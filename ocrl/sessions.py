@@ -48,7 +48,7 @@ from ocrl.events import NoEvents
 from ocrl.faults import crash_point
 from ocrl.records import DiskFull, NoRecords
 from ocrl.session_index import SessionIndex
-from ocrl.turns import Held, MainTurn, Session, Ticket, TurnState, prefix_key, response_message, sample_id
+from ocrl.turns import Held, MainTurn, Session, Ticket, TurnState, prefix_key, response_message, sample_id, turn_sample
 from ocrl.types import Completion, Hint, Message, Sample, SampleReady, SessionChanged, Turn, TurnServed, Verdict, VerdictReady, Vote
 
 log = logging.getLogger("ocrl.sessions")
@@ -423,31 +423,10 @@ class Sessions:
         if main_turn.state == TurnState.SUBMITTED:  # exactly once, whatever the order of events
             return
         main_turn.move(TurnState.SUBMITTED)
-        turn = main_turn.turn
-        n = len(turn.response_ids)
-        sample = Sample(
-            sample_id=sample_id(session, turn),
-            session_id=turn.session_id,
-            turn_index=turn.index,
-            tokens=turn.prompt_ids + turn.response_ids,
-            response_length=n,
-            loss_mask=[mask] * n,
-            rollout_logprobs=turn.logprobs,
-            reward=reward,
-            weights_version=turn.weights_version,
-            score=score,
-            votes=votes,
-            promoted=promoted,
-            next_state=main_turn.next_state.content if main_turn.next_state else None,
-            next_state_role=main_turn.next_state.role if main_turn.next_state else None,
-            method=self.method,
-            hint=hint.hint if hint else None,
-            experience=list(experience),
-            hint_votes=hint.votes if hint else [],
-            teacher_prompt_ids=teacher_prompt_ids,
-            choice=turn.choice,
-            group_size=turn.group_size,
-        )
+        sample = turn_sample(
+            session, main_turn, score=score, mask=mask, reward=reward, votes=votes, promoted=promoted, method=self.method,
+            hint=hint, experience=experience, teacher_prompt_ids=teacher_prompt_ids,
+        )  # fmt: skip
         if mask:
             session.effective += 1
         self.counters["samples_mask1" if mask else "samples_mask0"] += 1

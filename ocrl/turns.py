@@ -3,8 +3,9 @@
 A main turn moves open -> judging -> (held ->) submitted, or straight to submitted when it never
 gets a next state (session end, a group's sibling, a restored turn already journaled). `held`
 is --experience posthoc: judged, waiting for the session to end. Also here: the keys that thread
-a request to its session (`prefix_key`) and a turn's sample id. This module knows nothing of
-judging, records or events; `sessions.py` drives these states.
+a request to its session (`prefix_key`), a turn's sample id, and its sample assembled once
+sessions.py has decided its mask and reward. This module knows nothing of judging, records or
+events; `sessions.py` drives these states.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from ocrl.types import Hint, Message, Turn, Verdict
+from ocrl.types import Hint, Message, Sample, Turn, Verdict
 
 
 class TurnState(enum.StrEnum):
@@ -120,3 +121,36 @@ def response_message(text: str, tool_calls: list[dict]) -> Message:
 def sample_id(session: Session, turn: Turn) -> str:
     group = f"/{turn.choice}" if turn.group_size > 1 else ""
     return f"{turn.session_id}:{session.uid}:{turn.index}{group}"
+
+
+def turn_sample(
+    session: Session, main_turn: MainTurn, *, score, mask: int, reward: float, votes, promoted: bool, method: str,
+    hint: Hint | None = None, experience=(), teacher_prompt_ids: list[int] | None = None,
+) -> Sample:
+    """The one sample of `main_turn`, with the mask and reward sessions.py decided for it: its
+    tokens, rollout log-probs, verdict, next state and (--method opd|combine) hint."""
+    turn, next_state = main_turn.turn, main_turn.next_state
+    n = len(turn.response_ids)
+    return Sample(
+        sample_id=sample_id(session, turn),
+        session_id=turn.session_id,
+        turn_index=turn.index,
+        tokens=turn.prompt_ids + turn.response_ids,
+        response_length=n,
+        loss_mask=[mask] * n,
+        rollout_logprobs=turn.logprobs,
+        reward=reward,
+        weights_version=turn.weights_version,
+        score=score,
+        votes=votes,
+        promoted=promoted,
+        next_state=next_state.content if next_state else None,
+        next_state_role=next_state.role if next_state else None,
+        method=method,
+        hint=hint.hint if hint else None,
+        experience=list(experience),
+        hint_votes=hint.votes if hint else [],
+        teacher_prompt_ids=teacher_prompt_ids,
+        choice=turn.choice,
+        group_size=turn.group_size,
+    )

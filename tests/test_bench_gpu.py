@@ -70,7 +70,11 @@ def test_bench_gpu_skips_what_the_budget_cannot_fit_and_still_writes_the_report(
     report = tmp_path / "gpu.json"
     argv = ["bench", "gpu", "--report", str(report), "--repeats", "1", "--threads", "1", "--rollout-batch-size", "4",
             "--record-dir", str(tmp_path / "run")]  # fmt: skip
-    assert cli.main(argv) == 0
+    threads = torch.get_num_threads()
+    try:
+        assert cli.main(argv) == 0
+    finally:
+        torch.set_num_threads(threads)  # --threads 1 is this process's setting now: give it back
     data = json.loads(report.read_text())
     (arch,) = data["archs"].values()
     hf = arch["engines"]["hf"]
