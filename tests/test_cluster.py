@@ -44,12 +44,49 @@ def test_affinity_index_follows_the_longest_cached_prefix():
     assert small.match(a) == ("r0", 8)
 
 
+def test_a_replica_merges_the_adapter_as_the_trainer_merges_it():
+    """--weight-sync lora: the replica's merge of the adapter alone (what crosses the object store)
+    equals the merged weights the trainer publishes otherwise, for two versions in a row."""
+    import torch
+
+    from ocrl import models
+    from ocrl.cluster.adapters import Merger, is_adapter, scaling
+    from ocrl.config import Config
+    from ocrl.engine.base import EngineError
+    from ocrl.train.policy import Policy
+
+    config = Config(random_init="tiny", lora_rank=4, lora_alpha=16)
+    served = models.load(random_init="tiny", device="cpu", dtype="float32").model
+    trained = Policy(config, models.load(random_init="tiny", device="cpu", dtype="float32").model, publish_adapters=True)
+    merger = Merger(served, scaling(config))
+    for _ in range(2):
+        with torch.no_grad():
+            for name, p in trained.model.named_parameters():
+                if "lora_" in name:
+                    p.add_(torch.randn_like(p) * 0.05)
+        adapter = trained.published_weights()
+        assert is_adapter(adapter) and sum(t.numel() for t in adapter.values()) < sum(p.numel() for p in served.parameters()) / 10
+        trained.publish_adapters = False
+        expected = trained.published_weights()  # W + scale * B @ A, as the trainer merges
+        trained.publish_adapters = True
+        merged = merger.merged(adapter)
+        assert merged.keys() == expected.keys() and merged
+        for name, weight in merged.items():
+            torch.testing.assert_close(weight, expected[name], rtol=0, atol=1e-6)
+            served.get_parameter(name).data.copy_(weight)  # served as the engine swaps it in
+    name = next(iter(adapter))
+    with pytest.raises(EngineError, match="only"):
+        merger.merged({name: adapter[name]})
+    with pytest.raises(EngineError, match="does not have"):
+        merger.merged({"base_model.model.nowhere.lora_A.weight": adapter[name], "base_model.model.nowhere.lora_B.weight": adapter[name]})
+
+
 def remote_address() -> str:
     return ray.get_runtime_context().gcs_address
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory, scripted_judge):
+def local_ray():
     import torch
 
     torch.set_num_threads(1)
@@ -57,16 +94,27 @@ def cluster(tmp_path_factory, scripted_judge):
     # that would be someone else's memory, not the replicas' (read by the raylet ray.init starts)
     os.environ["RAY_memory_monitor_refresh_ms"] = "0"
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, namespace="ocrl")
-    d = Daemon(
+    try:
+        yield remote_address()
+    finally:
+        ray.shutdown()
+
+
+def cluster_daemon(tmp_path_factory, judge, address: str, *flags: str) -> Daemon:
+    return Daemon(
         tmp_path_factory.mktemp("cluster") / "run", "--random-init", "tiny", "--replicas", "2",
-        "--ray-address", remote_address(), "--threads", "1", "--rollout-batch-size", "4", "--batch-counts", "all",
-        "--prm-mode", "generate", "--prm-url", scripted_judge.url, "--prm-m", "1", "--train-yield-max", "0",
+        "--ray-address", address, "--threads", "1", "--rollout-batch-size", "4", "--batch-counts", "all",
+        "--prm-mode", "generate", "--prm-url", judge.url, "--prm-m", "1", "--train-yield-max", "0", *flags,
     )
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, scripted_judge, local_ray):
+    d = cluster_daemon(tmp_path_factory, scripted_judge, local_ray)
     try:
         yield d.start(timeout=400)
     finally:
         d.stop()
-        ray.shutdown()
 
 
 def replicas(daemon) -> list[dict]:
@@ -88,6 +136,53 @@ def chat(client, messages, sid: str, **kw):
     )
 
 
+def replica_status(daemon, index: int) -> dict:
+    """What the replica actor itself reports (more than the daemon's stats show)."""
+    return ray.get(ray.get_actor(f"ocrl-{daemon.port}-replica-{index}", namespace="ocrl").status.remote())
+
+
+def train_one_step(daemon, prefix: str) -> dict:
+    from openai import OpenAI
+
+    client = OpenAI(base_url=daemon.url + "/v1", api_key=API_KEY, max_retries=0)
+    steps = daemon.stats()["training"]["steps"]
+    for i in range(5):  # two main turns each, the first judged by the second: a batch of 4 and more
+        messages = [{"role": "user", "content": f"question {i}"}]
+        r = chat(client, messages, f"{prefix}{i}", max_tokens=4)
+        messages += [{"role": "assistant", "content": r.choices[0].message.content}, {"role": "user", "content": "ok [votes: 1]"}]
+        chat(client, messages, f"{prefix}{i}", max_tokens=4)
+    return wait_until(lambda: (s := daemon.stats())["training"]["steps"] > steps and s, 120, "a training step")
+
+
+def test_lora_adapters_reach_every_replica_through_the_object_store(tmp_path_factory, scripted_judge, local_ray):
+    """--weight-sync lora: only the adapter crosses the object store; each replica merges it,
+    the probe verifies on each, the stats show each one's version; a replica Ray restarts
+    reloads the current adapter before it serves. Its own daemon, stopped before the next."""
+    from ocrl import models
+
+    daemon = cluster_daemon(tmp_path_factory, scripted_judge, local_ray, "--weight-sync", "lora", "--lora-rank", "4").start(timeout=400)
+    try:
+        stats = train_one_step(daemon, "l")
+        version = stats["weights_version"]
+        assert version == stats["training"]["steps"] >= 1 and stats["training"]["last"]["verified"] == 1.0
+        wait_until(lambda: all(r["weights_version"] == version for r in replicas(daemon)), 10, "every replica at the version")
+        assert all(r["probe_diff"] <= 1e-3 for r in replicas(daemon))  # the probe scored alike on each
+        model_bytes = sum(p.numel() * p.element_size() for p in models.load(random_init="tiny", device="cpu", dtype="float32").model.parameters())
+        for i in range(2):
+            sync = replica_status(daemon, i)["last_sync"]
+            assert sync["kind"] == "lora" and 0 < sync["bytes"] < model_bytes / 4, sync  # the adapter alone (rank 4)
+        victim = replicas(daemon)[1]
+        ray.kill(ray.get_actor(f"ocrl-{daemon.port}-replica-1", namespace="ocrl"), no_restart=False)
+        back = wait_until(
+            lambda: (r := replicas(daemon)[1])["ready"] and r["incarnation"] != victim["incarnation"] and r, 120, "the replica back"
+        )
+        assert back["weights_version"] == version
+        status = replica_status(daemon, 1)
+        assert status["weights_version"] == version and status["last_sync"]["kind"] == "lora"
+    finally:
+        daemon.stop()
+
+
 def test_a_sessions_turns_stay_on_its_replica_and_new_sessions_spread(cluster):
     from openai import OpenAI
 
@@ -105,15 +200,7 @@ def test_a_sessions_turns_stay_on_its_replica_and_new_sessions_spread(cluster):
 
 
 def test_trained_versions_reach_every_replica_and_verify(cluster):
-    from openai import OpenAI
-
-    client = OpenAI(base_url=cluster.url + "/v1", api_key=API_KEY, max_retries=0)
-    for i in range(5):  # with the first test's turns: more than a batch of 4 samples
-        messages = [{"role": "user", "content": f"question {i}"}]
-        r = chat(client, messages, f"v{i}", max_tokens=4)
-        messages += [{"role": "assistant", "content": r.choices[0].message.content}, {"role": "user", "content": "ok [votes: 1]"}]
-        chat(client, messages, f"v{i}", max_tokens=4)
-    stats = wait_until(lambda: (s := cluster.stats())["training"]["steps"] >= 1 and s, 120, "a training step")
+    stats = train_one_step(cluster, "v")
     version = stats["weights_version"]
     assert version == stats["training"]["steps"] >= 1
     assert stats["training"]["last"]["verified"] == 1.0  # the probe agreed on every replica

@@ -9,6 +9,10 @@ Contract:
    Ray restarted after a crash, first takes the current weights (every tensor trained since
    version 0, sent through Ray's object store) and only then takes requests. A request that
    arrives before that fails with `NotLoaded` (the router routes around it).
+ - `--weight-sync lora`: what `load` and `update_weights` receive is the trainer's LoRA adapter
+   (only lora_A and lora_B cross the object store); the replica merges it into its base weights
+   itself (cluster/adapters.py) before its engine swaps them in. `status()["last_sync"]` says what
+   the last swap received (kind, tensors, bytes).
  - `stream` is a streaming generator of the engine's own chunks (`TokenChunk`, the last a
    `Final` that carries the weights version this replica served it with); `update_weights`,
    `score`, `next_token_logprobs` and `prepare` are the engine's, unchanged.
@@ -52,8 +56,14 @@ class Replica:
             loaded, max_batch_size=config.max_batch_size, max_queued=config.max_queued_requests,
             max_context=config.context_length, prefix_cache_budget=config.prefix_cache,
         )
+        self.merger = None
+        if config.weight_sync == "lora":  # the trainer sends its adapter; merged here (adapters.py)
+            from ocrl.cluster.adapters import Merger, scaling
+
+            self.merger = Merger(self.engine.model, scaling(config))
         self.loaded_version: int | None = None
         self.served = 0
+        self.last_sync: dict = {}  # what the last swap or load received
         self._scheduler = None
 
     def _ensure_running(self) -> None:
@@ -65,12 +75,26 @@ class Replica:
         if self.loaded_version is None:
             raise NotLoaded(f"replica {self.index} has not loaded the current weights yet")
 
+    def _received(self, named_tensors: dict) -> dict:
+        """What the engine takes: the tensors as sent, or (--weight-sync lora) the layers the
+        adapter names, merged into their base weights."""
+        from ocrl.cluster.adapters import is_adapter
+
+        adapter = is_adapter(named_tensors)
+        if adapter and self.merger is None:
+            raise EngineError("a LoRA adapter sent to a replica started without --weight-sync lora")
+        self.last_sync = {
+            "kind": "lora" if adapter else "full", "tensors": len(named_tensors),
+            "bytes": sum(t.numel() * t.element_size() for t in named_tensors.values()),
+        }
+        return self.merger.merged(named_tensors) if adapter else named_tensors
+
     async def load(self, named_tensors: dict, version: int) -> dict:
-        """Takes the current weights (all tensors trained so far; empty at version 0 of a model
-        every replica loads alike) before serving; returns `status()`."""
+        """Takes the current weights (all tensors trained so far, or the current adapter; empty at
+        version 0 of a model every replica loads alike) before serving; returns `status()`."""
         self._ensure_running()
         if named_tensors:
-            await self.engine.update_weights(named_tensors, version)
+            await self.engine.update_weights(await asyncio.to_thread(self._received, named_tensors), version)
         self.engine.weights_version = version
         self.loaded_version = version
         return await self.status()
@@ -78,7 +102,7 @@ class Replica:
     async def update_weights(self, named_tensors: dict, version: int) -> float:
         self._ensure_running()
         self._check_loaded()
-        seconds = await self.engine.update_weights(named_tensors, version)
+        seconds = await self.engine.update_weights(await asyncio.to_thread(self._received, named_tensors), version)
         self.loaded_version = version
         return seconds
 
@@ -116,6 +140,7 @@ class Replica:
             "generated_tokens": engine.generated_tokens,
             "served": self.served,
             "rss_mb": rss_mb(),
+            "last_sync": self.last_sync,
             "prefix_cache": engine.prefix_cache.stats(),
             "device": str(engine.device),
             "max_context": engine.max_context,

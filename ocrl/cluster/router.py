@@ -14,7 +14,9 @@ Contract:
    is a whole batch busier than the least loaded; otherwise the least loaded (requests in flight
    through this router, then fewest served). Each completion's final chunk carries the version
    the replica that produced it served.
- - Weights (`update_weights`): the tensors go into Ray's object store once and every ready
+ - Weights (`update_weights`): merged weights, or with `--weight-sync lora` the trainer's LoRA
+   adapter (`accepts_adapters`; each replica merges it itself, cluster/adapters.py, and the
+   judge reads the base weights this process holds, `base()`): the tensors go into Ray's object store once and every ready
    replica copies them in (at once); the router also keeps every tensor trained since version 0
    so a replica that (re)starts later loads the current version before it is routed to. A
    replica that fails the swap is taken out until it has reloaded; the swap fails only when no
@@ -110,7 +112,8 @@ class Cluster:
         self.agree_atol = agree_atol
         self.owns_ray = owns_ray
         self.weights_version = 0
-        self.accepts_adapters = False  # replicas take merged weights
+        self.accepts_adapters = False  # replicas take merged weights; --weight-sync lora: the adapter
+        self._base = None  # --weight-sync lora: the base weights in this process, for the judge
         self.trained: dict[str, torch.Tensor] = {}  # every tensor trained since version 0, newest value
         self._trained_ref = None  # the same, in the object store (put once per version)
         self.affinity = AffinityIndex()
@@ -127,6 +130,9 @@ class Cluster:
             raise ConfigError(f"--replicas {config.replicas}: give 1 or more (0 serves without Ray)")
         if config.engine == "sglang":
             raise ConfigError("--replicas runs transformers-engine replicas so far; SGLang replicas are not done yet")
+        adapters = config.weight_sync == "lora"
+        if adapters and (config.lora_rank <= 0 or config.full_finetune):
+            raise ConfigError("--weight-sync lora needs LoRA training (--lora-rank > 0, no --full-finetune)")
         ray = ray_module()
         owns_ray = connect(config.ray_address)
         model_device = next(loaded.model.parameters()).device
@@ -144,6 +150,13 @@ class Cluster:
             ray, slots, name=loaded.name, max_context=0, device=model_device, max_batch_size=config.max_batch_size,
             agree_atol=verify_tolerance(loaded.model), owns_ray=owns_ray,
         )
+        if adapters:
+            from ocrl.engine.hf import HFEngine
+
+            cluster.accepts_adapters = True
+            # the policy is an adapter: the base weights (this process's copy, which nothing
+            # trains or swaps) are what the judge reads, as on SGLang (`base()`)
+            cluster._base = HFEngine(loaded, max_batch_size=config.max_batch_size, prefix_cache_budget=config.prefix_cache)
         try:
             first = await slots[0].handle.status.remote()
             cluster.name, cluster.max_context = first["name"], first["max_context"]
@@ -299,11 +312,20 @@ class Cluster:
 
     # -- health: restarted replicas load the current version before they serve ------------
 
+    def base(self):
+        """--weight-sync lora: an engine serving the base weights (no adapter), for the judge."""
+        if self._base is None:
+            raise EngineError("the base weights are served apart only with --weight-sync lora")
+        return self._base
+
     async def run(self) -> None:
         try:
-            while True:
-                await anyio.sleep(HEALTH_EVERY)
-                await self.check()
+            async with anyio.create_task_group() as tg:
+                if self._base is not None:
+                    tg.start_soon(self._base.run)
+                while True:
+                    await anyio.sleep(HEALTH_EVERY)
+                    await self.check()
         finally:
             with anyio.CancelScope(shield=True):
                 self.close()
