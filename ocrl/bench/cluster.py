@@ -1,8 +1,9 @@
 """`bench serve --replicas N`: the daemon with N engine replicas as Ray actors against the same
 daemon with 1 replica, and with the engine in its own process (no Ray), in one run, through the
 real HTTP API: throughput of a burst of concurrent requests (completion tokens per second of
-wall time), the median latency of one request alone, and the resident memory of each replica
-process (and of the daemon). Ray is started once here and shared by the three daemons.
+wall time), the median latency of one request alone, and the resident memory (now and at its
+peak) of each replica actor's process, asked of the actor itself, and of the daemon. Ray is
+started once here and shared by the three daemons.
 
 On a CPU box with few cores the replicas compete for the same cores, so expect little gain; the
 figure that matters is on a box with one GPU per replica.
@@ -61,14 +62,27 @@ async def measure(config, repeats: int, max_tokens: int, burst: int) -> dict:
                         many.start_soon(one, i)
                 rates.append(tokens / (time.perf_counter() - started))
         stats = daemon.stats()
+        # each replica actor's own process, asked directly (the daemon's stats show the last look)
+        own = [await replica_memory(config, i) for i in range(config.replicas)]
         result = {
             "latency_s": statistics.median(latency),
             "tokens_per_s": statistics.median(rates),
             "daemon_rss_mb": stats.memory.rss_mb,
-            "replica_rss_mb": [r.rss_mb for r in stats.engine.replicas or []],
+            "replica_rss_mb": [m["rss_mb"] for m in own],
+            "replica_peak_rss_mb": [m["peak_rss_mb"] for m in own],
             "routed": [r.routed for r in stats.engine.replicas or []],
         }
     return result
+
+
+async def replica_memory(config, index: int) -> dict:
+    """Resident memory (now and peak, MiB) of one replica actor's process."""
+    import ray
+
+    from ocrl.cluster.router import NAMESPACE, replica_name
+
+    status = await ray.get_actor(replica_name(config, index), namespace=NAMESPACE).status.remote()
+    return {"rss_mb": status["rss_mb"], "peak_rss_mb": status["peak_rss_mb"], "pid": status["pid"]}
 
 
 async def bench_replicas(config, repeats: int, max_tokens: int) -> None:
@@ -91,4 +105,7 @@ async def bench_replicas(config, repeats: int, max_tokens: int) -> None:
     for label, row in rows.items():
         print(f"  {label:<12} {row['tokens_per_s']:8.1f} tok/s ({row['tokens_per_s'] / one['tokens_per_s']:5.2f}x of 1 replica)  "
               f"latency {row['latency_s'] * 1000:7.0f} ms ({row['latency_s'] / one['latency_s']:5.2f}x)  "
-              f"daemon {row['daemon_rss_mb']:.0f} MiB, replicas {row['replica_rss_mb']} MiB, routed {row['routed']}")
+              f"routed {row['routed']}")
+        replicas = ", ".join(f"{now:.0f} (peak {peak:.0f})" for now, peak in zip(row["replica_rss_mb"], row["replica_peak_rss_mb"]))
+        print(f"  {'':<12} memory: daemon {row['daemon_rss_mb']:.0f} MiB" + (f"; each replica process {replicas} MiB, "
+              f"{sum(row['replica_rss_mb']):.0f} MiB in all" if replicas else ""))

@@ -16,7 +16,8 @@ Contract:
  - `stream` is a streaming generator of the engine's own chunks (`TokenChunk`, the last a
    `Final` that carries the weights version this replica served it with); `update_weights`,
    `score`, `next_token_logprobs` and `prepare` are the engine's, unchanged.
- - `status` answers at once (never behind a batch): incarnation, loaded version, load, memory.
+ - `status` answers at once (never behind a batch): incarnation, loaded version, load, memory
+   (resident now and at its peak).
 
 This module knows nothing about routing, sessions or HTTP.
 """
@@ -33,6 +34,18 @@ from ocrl.engine.base import EngineError
 
 class NotLoaded(EngineError):
     """The replica has not taken the current weights yet (just started or restarted)."""
+
+
+def peak_rss_mb() -> float | None:
+    """This process's peak resident memory in MiB (Linux's VmHWM), None where unknown."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return round(int(line.split()[1]) / 1024, 1)
+    except OSError:
+        pass
+    return None
 
 
 class Replica:
@@ -140,6 +153,7 @@ class Replica:
             "generated_tokens": engine.generated_tokens,
             "served": self.served,
             "rss_mb": rss_mb(),
+            "peak_rss_mb": peak_rss_mb(),
             "last_sync": self.last_sync,
             "prefix_cache": engine.prefix_cache.stats(),
             "device": str(engine.device),
