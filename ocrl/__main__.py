@@ -9,6 +9,13 @@ import sys
 from ocrl import config as config_mod
 
 
+def cause(error: BaseException) -> BaseException:
+    """The one error inside nested single-error groups (a task group wraps what its task raised)."""
+    while isinstance(error, BaseExceptionGroup) and len(error.exceptions) == 1:
+        error = error.exceptions[0]
+    return error
+
+
 def run_async(fn, *args) -> None:
     import anyio
 
@@ -112,16 +119,22 @@ def main(argv: list[str] | None = None) -> int:
 
         try:
             run_async(serve_daemon, config)
-        except (config_mod.ConfigError, Exception) as e:
-            if isinstance(e, config_mod.ConfigError) or type(e).__name__ == "ModelError":
-                print(f"ocrl: {e}", file=sys.stderr)
+        except Exception as e:
+            if isinstance(cause(e), config_mod.ConfigError) or type(cause(e)).__name__ == "ModelError":
+                print(f"ocrl: {cause(e)}", file=sys.stderr)
                 return 2
             raise
         return 0
     if args.command == "bench":
         from ocrl import bench as bench_mod
 
-        return run_async(bench_mod.run, args.which, config, args) or 0
+        try:
+            return run_async(bench_mod.run, args.which, config, args) or 0
+        except Exception as e:
+            if isinstance(cause(e), config_mod.ConfigError):
+                print(f"ocrl: {cause(e)}", file=sys.stderr)
+                return 2
+            raise
     return 2
 
 

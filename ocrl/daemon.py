@@ -356,7 +356,10 @@ class Daemon:
             if self.trainer is not None:
                 tg.start_soon(self.trainer.run, self.samples_receive)
             tg.start_soon(self._announce, task_status)
-            await self.server.serve()
+            try:
+                await self.server.serve()
+            except SystemExit as exit:  # uvicorn's way of saying it could not listen
+                raise ConfigError(f"cannot listen on {config.host}:{config.port}: {exit.__context__ or f'exit {exit.code}'}") from None
             log.info("shutting down: waiting for votes in flight")
             await self.sessions.drain(timeout=60)
             tg.cancel_scope.cancel()  # the trainer finishes its step and checkpoints on the way out

@@ -187,3 +187,19 @@ async def test_queue_bound_answers_429_with_retry_after(limited):
         assert all(value and value.isdigit() for value in retry_after)
         after = await client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
         assert after.status_code == 200
+
+
+def test_a_port_in_use_is_a_one_line_error_not_a_traceback(tmp_path):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run(
+            [sys.executable, "-m", "ocrl", "serve", "--headless", "--random-init", "tiny", "--no-train", "--port", str(port),
+             "--record-dir", str(tmp_path / "run")],
+            capture_output=True, text=True, timeout=180, cwd=ROOT,
+        )  # fmt: skip
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert f"ocrl: cannot listen on 127.0.0.1:{port}" in done.stderr and "Traceback" not in done.stderr
