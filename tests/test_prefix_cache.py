@@ -330,5 +330,5 @@ def test_bench_train_sizes_the_long_sample_backward_before_running_it():
     cached, _ = trainers()
     need, available = backward_memory(cached, session_samples())
     checkpointed = cached.budget.plan(25).checkpoint
-    assert need == backward_bytes(cached.model.config, 25, checkpointed=checkpointed, lora_rank=4)  # 25: the longest sample
+    assert need == backward_bytes(cached.model.config, 25, checkpointed=checkpointed, lora_rank=4, model_bytes=cached.budget.model_bytes)  # 25: the longest sample
     assert available == -1 or available > 0

@@ -729,9 +729,9 @@ def test_auto_checkpoints_a_micro_batch_only_when_its_plain_backward_would_crowd
     per_position = budget.need(1000, checkpointed=False) / 1000
     assert budget.need(1000, checkpointed=True) < per_position * 1000  # 2 layers here; 30 (SmolLM2): ~10x less
     budget.available = lambda: int(per_position * 1000 / AUTO_SHARE) + 10**6
-    short, long = budget.plan(1000), budget.plan(1100)
+    short, long = budget.plan(1000), budget.plan(1200)
     assert not short.checkpoint and short.need == budget.need(1000, checkpointed=False)
-    assert long.checkpoint and long.need == budget.need(1100, checkpointed=True) and long.fits
+    assert long.checkpoint and long.need == budget.need(1200, checkpointed=True) and long.fits
     budget.available = lambda: -1  # unknown: plain
     assert not budget.plan(10**6).checkpoint and budget.plan(10**6).fits
 

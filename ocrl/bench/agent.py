@@ -140,6 +140,8 @@ async def agent_samples(engine, tokenizer, targets=LONG_PROMPTS, max_tokens: int
             messages += [Message(role="assistant", content="Running the next tool."), Message(role="user", content=tool_output(rng))]
         c = await engine.generate(ids, SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=len(samples)))
         n = len(c.response_ids)
+        if n == 0:
+            raise ValueError(f"a {len(ids)}-token prompt leaves no room for a response in the model's context; ask for a shorter one")
         samples.append(Sample(sample_id=f"agent-{len(samples)}", session_id="agent", turn_index=len(samples), tokens=ids + c.response_ids,
                               response_length=n, loss_mask=[1] * n, rollout_logprobs=c.logprobs, reward=1.0, weights_version=0, score=1))  # fmt: skip
         messages += [Message(role="assistant", content=c.text), Message(role="user", content=tool_output(rng))]
@@ -213,10 +215,12 @@ def checkpoint_rows(trainer, samples: list, references: list) -> list[str]:
                 trainer._train(samples, references)
                 seconds = time.perf_counter() - started
             results[mode] = seconds
-            count = plan.need / budget_mod.RSS_FACTOR  # torch's live bytes, counted
+            budget = trainer.budget
+            count = budget_mod.counted_bytes(budget.model_config, longest, checkpointed=plan.checkpoint, lora_rank=budget.lora_rank,
+                                             full_finetune=budget.full_finetune)  # torch's live bytes, counted  # fmt: skip
             rows.append(f"    checkpointing {mode:3}: {seconds / prompt_k:6.2f} s per 1k prompt tokens; peak RSS +{peak.added / 2**30:.2f} GiB "
                         f"({peak.added / longest / 2**20:.2f} MiB per position of the longest, {longest}); estimate {plan.need / 2**30:.2f} GiB "
-                        f"(measured / counted live bytes {peak.added / count:.2f}, RSS_FACTOR {budget_mod.RSS_FACTOR})")  # fmt: skip
+                        f"(measured / estimate {peak.added / plan.need:.2f}; counted live activations {count / 2**30:.2f} GiB)")  # fmt: skip
     finally:
         trainer.budget.mode = kept_mode
     lengths = ", ".join(str(len(s.tokens) - s.response_length) for s in samples)

@@ -11,9 +11,12 @@ profiled on Llama-shaped models with LoRA; q/kv = heads x head_dim):
 - the backward's transient buffers are ~2 intermediate + 2 hidden vectors per position;
 - with checkpointing a layer keeps only its input (one hidden vector), and one layer at a time
   runs again in the backward with everything above.
-The process's resident memory is more than torch's live bytes (the C heap keeps freed blocks
-for reuse; see memory.py): `RSS_FACTOR` is that ratio measured on the long agent rows of `bench
-train` (README), so the estimate is of the peak the kernel sees, which is what an OOM kill is.
+The process's resident memory is more than that count: the step also publishes merged weights
+(about the model's size again with LoRA) and the C heap keeps freed blocks resident (see
+memory.py). Measured with `bench train-long` on SmolLM2-135M, the allocator tuned as the daemon
+tunes it (README): resident peak = `RSS_FACTOR` x the count + `STEP_SLACK` x the model's fp32
+bytes, within ~5% at 3k tokens with checkpointing and without. The estimate is of the peak the
+kernel sees, which is what an OOM kill is. On CUDA the factor and the slack are guesses.
 
 Knows model configs, token counts and the free memory; never samples or the loss.
 """
@@ -29,8 +32,9 @@ import torch
 log = logging.getLogger("ocrl.train")
 
 FLOAT = 4  # bytes: the trainer's copy is fp32
-RSS_FACTOR = 2.8  # CPU: resident peak / torch's live peak over a step on long samples (bench train-long, README)
-CUDA_FACTOR = 1.25  # CUDA: the caching allocator's fragmentation, a guess (not measured on a GPU yet)
+RSS_FACTOR = 1.2  # CPU: resident bytes per counted activation byte over a step (bench train-long, README)
+STEP_SLACK = 4.0  # CPU: the rest of a step's resident peak, in fp32 model sizes (merged weights, heap slack; measured ~2 GiB on 135M)
+CUDA_FACTOR, CUDA_SLACK = 1.25, 1.0  # CUDA: the caching allocator and the merged weights, guesses (not measured on a GPU yet)
 AUTO_SHARE = 0.5  # --gradient-checkpointing auto: checkpoint a micro-batch that would take over this share of what is free
 FIT_SHARE = 0.8  # a sample is left out when even its cheapest backward would take over this share of what is free
 
@@ -53,16 +57,25 @@ def layer_bytes(model_config, lora_rank: int = 0, full_finetune: bool = False) -
     return int(kept * 1.1) if full_finetune else kept  # full: the frozen-weight shortcuts are gone (+~10% counted)
 
 
-def backward_bytes(
-    model_config, positions: int, *, checkpointed: bool, lora_rank: int = 0, full_finetune: bool = False, device: str = "cpu"
-) -> int:
-    """Estimated bytes a forward + backward over `positions` (rows x padded width) adds at its
-    peak, with or without checkpointing: resident memory on a CPU, allocator memory on CUDA."""
+def counted_bytes(model_config, positions: int, *, checkpointed: bool, lora_rank: int = 0, full_finetune: bool = False) -> int:
+    """torch's live bytes at the peak of a forward + backward over `positions` (counted, above)."""
     layers, h, i, _, _ = _dims(model_config)
     layer = layer_bytes(model_config, lora_rank, full_finetune)
     transient = FLOAT * (2 * i + 2 * h)
     per_position = layers * FLOAT * h + layer + transient if checkpointed else layers * layer + transient
-    return int((CUDA_FACTOR if device == "cuda" else RSS_FACTOR) * per_position * positions)
+    return per_position * positions
+
+
+def backward_bytes(
+    model_config, positions: int, *, checkpointed: bool, lora_rank: int = 0, full_finetune: bool = False, model_bytes: int = 0,
+    device: str = "cpu",
+) -> int:
+    """Estimated bytes a training step over `positions` (rows x padded width) adds at its peak,
+    with or without checkpointing: resident memory on a CPU, allocator memory on CUDA.
+    `model_bytes`: the trained model's parameters in fp32."""
+    count = counted_bytes(model_config, positions, checkpointed=checkpointed, lora_rank=lora_rank, full_finetune=full_finetune)
+    factor, slack = (CUDA_FACTOR, CUDA_SLACK) if device == "cuda" else (RSS_FACTOR, STEP_SLACK)
+    return int(factor * count + slack * model_bytes)
 
 
 def available_bytes(device: torch.device) -> int:
@@ -103,16 +116,17 @@ class Budget:
     """--gradient-checkpointing's rule for the trained model: `plan(positions)`."""
 
     def __init__(self, mode: str, model_config, device: torch.device, *, lora_rank: int = 0, full_finetune: bool = False,
-                 available: Callable[[], int] | None = None):  # fmt: skip
+                 model_bytes: int = 0, available: Callable[[], int] | None = None):  # fmt: skip
         self.mode = mode
         self.model_config = model_config
+        self.model_bytes = model_bytes
         self.lora_rank, self.full_finetune = lora_rank, full_finetune
         self.device = torch.device(device)
         self.available = available or (lambda: available_bytes(self.device))
 
     def need(self, positions: int, checkpointed: bool) -> int:
         return backward_bytes(self.model_config, positions, checkpointed=checkpointed, lora_rank=self.lora_rank,
-                              full_finetune=self.full_finetune, device=self.device.type)  # fmt: skip
+                              full_finetune=self.full_finetune, model_bytes=self.model_bytes, device=self.device.type)  # fmt: skip
 
     def plan(self, positions: int) -> Plan:
         """on: always checkpoint; off: never; auto: when the plain backward would take over

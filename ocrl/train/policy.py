@@ -107,7 +107,8 @@ class Policy:
         mode = getattr(config, "gradient_checkpointing", "off")
         self._checkpointed_layers = self._enable_checkpointing() if mode != "off" else []
         # when a micro-batch's backward recomputes its layers, and whether a sample fits at all
-        self.budget = Budget(mode, self.model.config, self.device, lora_rank=config.lora_rank if self.lora else 0, full_finetune=not self.lora)
+        self.budget = Budget(mode, self.model.config, self.device, lora_rank=config.lora_rank if self.lora else 0, full_finetune=not self.lora,
+                             model_bytes=4 * sum(p.numel() for p in self.model.parameters()))  # fmt: skip
         # the reference never changes: its KV for a session's earlier turn serves the next turn
         self.reference_prefix = ReferencePrefix(getattr(config, "prefix_cache", "0"), self.device)
 
