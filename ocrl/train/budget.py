@@ -15,7 +15,8 @@ The process's resident memory is more than that count: the step also publishes m
 (about the model's size again with LoRA) and the C heap keeps freed blocks resident (see
 memory.py). Measured with `bench train-long` on SmolLM2-135M, the allocator tuned as the daemon
 tunes it (README): resident peak = `RSS_FACTOR` x the count + `STEP_SLACK` x the model's fp32
-bytes, within ~5% at 3k tokens with checkpointing and without. The estimate is of the peak the
+bytes: 4-5% over the measured peak at 3k tokens, with checkpointing and without, 27-82% over at
+8k (a guard errs on the safe side). The estimate is of the peak the
 kernel sees, which is what an OOM kill is. On CUDA the factor and the slack are guesses.
 
 Knows model configs, token counts and the free memory; never samples or the loss.
