@@ -28,6 +28,7 @@ from ocrl.engine.hf import HFEngine
 from ocrl.engine.select import build_engine
 from ocrl.events import Events
 from ocrl.guard import is_loopback
+from ocrl.jsonl import DiskFull
 from ocrl.judge.completers import EngineCompleter, RemoteCompleter
 from ocrl.restore import restore
 from ocrl.sessions import Sessions
@@ -211,7 +212,7 @@ class Daemon:
         self.records.sample(sample)
         try:
             self.records.journal(sample)
-        except records_mod.DiskFull:  # held here, never queued unjournaled; `_watch_disk` retries
+        except DiskFull:  # held here, never queued unjournaled; `_watch_disk` retries
             self.unjournaled.append(sample)
             return
         self._queue(sample)
@@ -235,7 +236,7 @@ class Daemon:
             while self.unjournaled:
                 try:
                     self.records.journal(self.unjournaled[0])
-                except records_mod.DiskFull:
+                except DiskFull:
                     break
                 self._queue(self.unjournaled.pop(0))
             if not self.records.full:

@@ -26,7 +26,7 @@ from ocrl.access_log import note
 from ocrl.bodies import BodyReader
 from ocrl.chat_request import ChatRequest, check_fields, header_bool
 from ocrl.engine.base import GREEDY_BELOW, EngineBusy, EngineError
-from ocrl.records import DiskFull
+from ocrl.jsonl import DiskFull
 from ocrl.replies import ApiError, storage_full
 from ocrl.streams import Accumulator, merged
 from ocrl.types import Completion, Grammar, Message, SamplingParams, TokenChunk

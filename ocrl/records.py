@@ -6,34 +6,29 @@ step has used it. On restart, journaled minus consumed is the backlog to re-queu
 (`turns.jsonl`) and the next states that close them (`next_states.jsonl`) are fsynced too, so a
 turn that had no sample yet when the process died is judged (or waits for its next state) again.
 A resumed run that restored an older checkpoint appends `{"resumed_at": step}` to
-`consumed.jsonl`: rows of later steps before it no longer count (those weights were lost). Files are
-created mode 0600: they hold people's conversations. This module knows nothing of how samples
-are made or trained on.
+`consumed.jsonl`: rows of later steps before it no longer count (those weights were lost). This
+module knows nothing of how samples are made or trained on, nor of bytes on disk: each file is
+a `jsonl.Appender`, which writes a row whole or not at all.
 
-A full disk (or any failing write) never leaves half a row: each append is written whole or
-cut back to where it started, and a file found ending mid-row when opened (a crash while
-writing) is cut back to its last whole row, so the next row never lands on a torn line. A
-failed write raises `DiskFull` for the rows that must not be lost (turns, next states, the
-journal) and sets `full`; consumed marks that cannot be written are owed and written first once
+A failed write (a full disk) raises `DiskFull` for the rows that must not be lost (turns, next
+states, the journal) and sets `full`; consumed marks that cannot be written are owed and written first once
 space returns (`recover`); rows that are only a report (verdicts, metrics, ...) are dropped
 and counted.
 """
 
 from __future__ import annotations
 
-import errno
 import logging
-import os
 import time
 from pathlib import Path
 
 import msgspec
 
+from ocrl.jsonl import Appender, DiskFull, decoded, has_room, lines
 from ocrl.types import Message, Sample, Turn, Vote
 
 log = logging.getLogger("ocrl.records")
 
-_encoder = msgspec.json.Encoder()
 _sample_decoder = msgspec.json.Decoder(Sample)
 
 
@@ -63,19 +58,6 @@ _consumed_decoder = msgspec.json.Decoder(Consumed | dict | str)
 _next_state_decoder = msgspec.json.Decoder(NextState)
 
 
-def _lines(path: Path):
-    return path.read_bytes().splitlines() if path.exists() else []
-
-
-def _decoded(path: Path, decoder: msgspec.json.Decoder):
-    """The rows of a JSONL file, a torn line (the process died writing it) left out."""
-    for line in _lines(path):
-        try:
-            yield decoder.decode(line)
-        except msgspec.DecodeError:
-            log.warning("skipping a torn line in %s (the process died while writing it)", path.name)
-
-
 def new_run_dir(root: str = "runs") -> Path:
     stamp = time.strftime("%Y%m%d-%H%M%S")
     path = Path(root) / stamp
@@ -89,74 +71,6 @@ def new_run_dir(root: str = "runs") -> Path:
 def newest_run_dir(root: str = "runs") -> Path | None:
     runs = sorted((p for p in Path(root).glob("*") if (p / "journal.jsonl").exists()), key=lambda p: p.stat().st_mtime)
     return runs[-1] if runs else None
-
-
-class DiskFull(OSError):
-    """A record could not be written (no space, quota, I/O error); nothing of it was kept."""
-
-
-def _write(fd: int, data: bytes) -> int:
-    """One write(2); the seam the disk-full tests replace with short writes and ENOSPC."""
-    from ocrl.faults import disk_full
-
-    if disk_full():
-        if len(data) > 1:  # a real full disk often takes part of a write first
-            return os.write(fd, data[: len(data) // 2])
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-    return os.write(fd, data)
-
-
-class _Appender:
-    def __init__(self, path: Path, durable: bool = False):
-        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o600)
-        self.path = path
-        self.durable = durable
-        self._cut_torn_tail()
-
-    def _cut_torn_tail(self) -> None:
-        """A file that does not end with a newline was cut off mid-row (a crash while writing):
-        drop that partial row, or the next append would be glued onto it and lost."""
-        size = os.fstat(self.fd).st_size
-        if size == 0 or os.pread(self.fd, 1, size - 1) == b"\n":
-            return
-        keep = size
-        while keep > 0:
-            start = max(0, keep - 65536)
-            chunk = os.pread(self.fd, keep - start, start)
-            at = chunk.rfind(b"\n")
-            if at >= 0:
-                keep = start + at + 1
-                break
-            keep = start
-        log.warning("%s ended in a torn row (%d bytes): cut back to the last whole row", self.path.name, size - keep)
-        os.ftruncate(self.fd, keep)
-        os.fsync(self.fd)
-
-    def write(self, obj) -> None:
-        self.write_many([obj])
-
-    def write_many(self, objs) -> None:
-        """Appends the rows whole (one fsync when durable), or raises `DiskFull` having cut the
-        file back to where it was: a reader sees all of them or none."""
-        data = b"".join(_encoder.encode(obj) + b"\n" for obj in objs)
-        if not data:
-            return
-        start = os.fstat(self.fd).st_size
-        try:
-            written = 0
-            while written < len(data):  # write(2) may take fewer bytes than offered (a full disk does)
-                written += _write(self.fd, data[written:])
-            if self.durable:
-                os.fsync(self.fd)
-        except OSError as e:
-            try:
-                os.ftruncate(self.fd, start)
-            except OSError:
-                log.exception("could not cut %s back after a failed write", self.path.name)
-            raise DiskFull(e.errno, f"cannot write {self.path.name}: {e.strerror or e}") from None
-
-    def close(self) -> None:
-        os.close(self.fd)
 
 
 def _without_text(sample: Sample) -> Sample:
@@ -203,21 +117,21 @@ class Records:
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.record_text = record_text
-        self.turns = _Appender(self.dir / "turns.jsonl", durable=True)
-        self._next_states = _Appender(self.dir / "next_states.jsonl", durable=True)
-        self.verdicts = _Appender(self.dir / "verdicts.jsonl")
-        self.hints = _Appender(self.dir / "hints.jsonl")  # --method opd|combine: the hint judge's answers
-        self.distilled = _Appender(self.dir / "distilled.jsonl")  # per distilled sample: its teacher advantage at its step
-        self.samples = _Appender(self.dir / "samples.jsonl")
-        self.metrics = _Appender(self.dir / "metrics.jsonl")
-        self._journal = _Appender(self.dir / "journal.jsonl", durable=True)
-        self._consumed = _Appender(self.dir / "consumed.jsonl", durable=True)
+        self.turns = Appender(self.dir / "turns.jsonl", durable=True)
+        self._next_states = Appender(self.dir / "next_states.jsonl", durable=True)
+        self.verdicts = Appender(self.dir / "verdicts.jsonl")
+        self.hints = Appender(self.dir / "hints.jsonl")  # --method opd|combine: the hint judge's answers
+        self.distilled = Appender(self.dir / "distilled.jsonl")  # per distilled sample: its teacher advantage at its step
+        self.samples = Appender(self.dir / "samples.jsonl")
+        self.metrics = Appender(self.dir / "metrics.jsonl")
+        self._journal = Appender(self.dir / "journal.jsonl", durable=True)
+        self._consumed = Appender(self.dir / "consumed.jsonl", durable=True)
         self.full = False  # a write failed; main turns wait until `recover` finds space
         self.dropped_rows = 0  # report rows (verdicts, metrics, ...) lost to a failed write
         self._owed: list[Consumed | Excluded] = []  # consumed marks not yet written
         self._forgotten: set[str] = set()  # sample ids whose token ids were blanked (--retain-samples)
 
-    def _critical(self, appender: _Appender, rows: list) -> None:
+    def _critical(self, appender: Appender, rows: list) -> None:
         try:
             appender.write_many(rows)
         except DiskFull:
@@ -226,7 +140,7 @@ class Records:
             self.full = True
             raise
 
-    def _report(self, appender: _Appender, row) -> None:
+    def _report(self, appender: Appender, row) -> None:
         try:
             appender.write(row)
         except DiskFull:
@@ -238,21 +152,13 @@ class Records:
         bytes fit beside the records; True (and `full` cleared) when both succeed."""
         if not self.full and not self._owed:
             return True
-        try:
-            if self._owed:
-                self._consumed.write_many(self._owed)
-                self._owed = []
-            probe = self.dir / ".space-probe"
-            fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        if self._owed:
             try:
-                written, block = 0, b"\0" * 65536
-                while written < headroom:
-                    written += _write(fd, block)
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-                probe.unlink(missing_ok=True)
-        except OSError:
+                self._consumed.write_many(self._owed)
+            except DiskFull:
+                return False
+            self._owed = []
+        if not has_room(self.dir, headroom):
             return False
         if self.full:
             log.info("the record dir can be written again: main turns are taken again")
@@ -269,7 +175,7 @@ class Records:
     def consumed_rows(self) -> list[Consumed]:
         """The rows that stand: those voided by a later `resumed_at` marker left out."""
         rows: list[Consumed] = []
-        for line in _lines(self.dir / "consumed.jsonl"):
+        for line in lines(self.dir / "consumed.jsonl"):
             try:
                 row = _consumed_decoder.decode(line)
                 if isinstance(row, dict):
@@ -289,12 +195,12 @@ class Records:
 
     def journaled(self) -> dict[str, bool]:
         """Journaled sample ids -> whether the sample is effective (has a loss-mask 1 token)."""
-        return {sample.sample_id: sample.effective for sample in _decoded(self.dir / "journal.jsonl", _sample_decoder)}
+        return {sample.sample_id: sample.effective for sample in decoded(self.dir / "journal.jsonl", _sample_decoder)}
 
     def main_turns(self) -> list[Turn]:
         """Main turns recorded by earlier processes (text fields empty when not recorded)."""
         out = []
-        for line in _lines(self.dir / "turns.jsonl"):
+        for line in lines(self.dir / "turns.jsonl"):
             try:
                 row = msgspec.json.decode(line)
                 if row.get("turn_type") != "main":
@@ -312,13 +218,13 @@ class Records:
         self._critical(self._next_states, [NextState(sample_id, message)])
 
     def next_states(self) -> dict[str, Message]:
-        return {row.sample_id: row.message for row in _decoded(self.dir / "next_states.jsonl", _next_state_decoder)}
+        return {row.sample_id: row.message for row in decoded(self.dir / "next_states.jsonl", _next_state_decoder)}
 
     def backlog(self, trained_through: int | None = None) -> list[Sample]:
         """Samples journaled by an earlier process and not yet trained on, in journal order."""
         consumed = self.consumed_ids(trained_through)
         seen, out = set(), []
-        for sample in _decoded(self.dir / "journal.jsonl", _sample_decoder):
+        for sample in decoded(self.dir / "journal.jsonl", _sample_decoder):
             if sample.sample_id not in consumed and sample.sample_id not in seen:
                 seen.add(sample.sample_id)
                 out.append(sample)
@@ -414,38 +320,14 @@ class Records:
             return row
 
         try:
-            self._journal = self._rewrite(self._journal, sample_row)
-            self.samples = self._rewrite(self.samples, sample_row)
-            self.turns = self._rewrite(self.turns, turn_row)
+            self._journal = self._journal.rewritten(sample_row)
+            self.samples = self.samples.rewritten(sample_row)
+            self.turns = self.turns.rewritten(turn_row)
         except OSError as e:  # a full disk: the ids stay until the next checkpoint tries again
             log.warning("could not forget the token ids of %d consumed samples: %s", len(forget), e)
             return 0
         self._forgotten |= forget
         return len(forget)
-
-    @staticmethod
-    def _rewrite(appender: _Appender, change) -> _Appender:
-        """The file with every row passed through `change`, swapped in whole (a crash leaves the
-        old or the new file, never a mix), and a fresh appender on it."""
-        path = appender.path
-        staging = path.with_name(path.name + ".tmp")
-        fd = os.open(staging, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        try:
-            with os.fdopen(fd, "wb") as out:
-                for line in _lines(path):
-                    try:
-                        line = _encoder.encode(change(msgspec.json.decode(line)))
-                    except (msgspec.DecodeError, AttributeError, TypeError):
-                        pass  # a row this does not understand stays as it was
-                    out.write(line + b"\n")
-                out.flush()
-                os.fsync(out.fileno())
-            os.replace(staging, path)
-        except OSError:
-            staging.unlink(missing_ok=True)
-            raise
-        appender.close()
-        return _Appender(path, durable=appender.durable)
 
     def close(self) -> None:
         if self._owed:

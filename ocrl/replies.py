@@ -19,7 +19,7 @@ from starlette.responses import Response
 from ocrl import guard
 from ocrl.access_log import note
 from ocrl.engine.base import EngineBusy
-from ocrl.records import DiskFull
+from ocrl.jsonl import DiskFull
 
 log = logging.getLogger("ocrl.api")
 

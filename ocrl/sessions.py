@@ -46,7 +46,8 @@ import anyio
 from ocrl.clients import ClientRules
 from ocrl.events import NoEvents
 from ocrl.faults import crash_point
-from ocrl.records import DiskFull, NoRecords
+from ocrl.jsonl import DiskFull
+from ocrl.records import NoRecords
 from ocrl.session_index import SessionIndex
 from ocrl.turns import Held, MainTurn, Session, Ticket, TurnState, prefix_key, response_message, sample_id, turn_sample
 from ocrl.types import Completion, Hint, Message, Sample, SampleReady, SessionChanged, Turn, TurnServed, Verdict, VerdictReady, Vote

@@ -18,8 +18,9 @@ import httpx
 import msgspec
 import pytest
 
-from ocrl import records as records_mod
-from ocrl.records import DiskFull, Records
+from ocrl import jsonl
+from ocrl.jsonl import DiskFull
+from ocrl.records import Records
 from ocrl.types import Sample
 
 
@@ -36,7 +37,7 @@ def lines(path) -> list[bytes]:
 
 def test_short_writes_still_append_whole_rows(tmp_path, monkeypatch):
     # write(2) on a nearly full disk takes a few bytes at a time: every row must still land whole
-    monkeypatch.setattr(records_mod, "_write", lambda fd, data: os.write(fd, data[:7]))
+    monkeypatch.setattr(jsonl, "_write", lambda fd, data: os.write(fd, data[:7]))
     records = Records(tmp_path)
     for i in range(5):
         records.journal(sample(i))
@@ -59,7 +60,7 @@ def test_enospc_mid_row_leaves_no_torn_row_and_says_so(tmp_path, monkeypatch):
         room[0] -= n
         return n
 
-    monkeypatch.setattr(records_mod, "_write", full)
+    monkeypatch.setattr(jsonl, "_write", full)
     with pytest.raises(DiskFull):
         records.journal(sample(1))
     assert records.full
@@ -68,7 +69,7 @@ def test_enospc_mid_row_leaves_no_torn_row_and_says_so(tmp_path, monkeypatch):
     assert records.dropped_rows == 1
     assert not records.recover()  # still full
 
-    monkeypatch.setattr(records_mod, "_write", os.write)  # space returns
+    monkeypatch.setattr(jsonl, "_write", os.write)  # space returns
     assert records.recover() and not records.full
     records.journal(sample(1))
     records.close()
@@ -92,11 +93,11 @@ def test_consumed_marks_are_owed_then_written_in_order(tmp_path, monkeypatch):
     records = Records(tmp_path)
     records.journal(sample(0))
     records.journal(sample(1))
-    monkeypatch.setattr(records_mod, "_write", lambda fd, data: (_ for _ in ()).throw(OSError(errno.ENOSPC, "full")))
+    monkeypatch.setattr(jsonl, "_write", lambda fd, data: (_ for _ in ()).throw(OSError(errno.ENOSPC, "full")))
     records.consumed(["s:0"], step=1)  # the step happened; its mark must not be lost
     assert records.full and records.owed_consumed == 1
     assert records.consumed_ids() == set()
-    monkeypatch.setattr(records_mod, "_write", os.write)
+    monkeypatch.setattr(jsonl, "_write", os.write)
     assert records.recover()
     assert records.owed_consumed == 0 and records.consumed_ids() == {"s:0"}
     assert [s.sample_id for s in records.backlog()] == ["s:1"]
@@ -118,7 +119,7 @@ def test_main_turns_wait_side_turns_go_on(tmp_path, monkeypatch):
     completion = Completion(prompt_ids=[1, 2], response_ids=[3], logprobs=[-0.1], text="hi", finish_reason="stop", weights_version=0)
     messages = [Message(role="user", content="hello")]
     ticket = sessions.begin(session_id="a", turn_type="main", session_done=False, messages=messages)
-    monkeypatch.setattr(records_mod, "_write", lambda fd, data: (_ for _ in ()).throw(OSError(errno.ENOSPC, "full")))
+    monkeypatch.setattr(jsonl, "_write", lambda fd, data: (_ for _ in ()).throw(OSError(errno.ENOSPC, "full")))
     with pytest.raises(DiskFull):
         sessions.complete(ticket, completion)  # generated, but cannot be kept: not a turn
     assert sessions.sessions["a"].turns == [] and records.full
@@ -126,7 +127,7 @@ def test_main_turns_wait_side_turns_go_on(tmp_path, monkeypatch):
         sessions.begin(session_id="a", turn_type="main", session_done=False, messages=messages)
     side = sessions.begin(session_id="a", turn_type="side", session_done=False, messages=messages)
     assert sessions.complete(side, completion).turn_type == "side"
-    monkeypatch.setattr(records_mod, "_write", os.write)
+    monkeypatch.setattr(jsonl, "_write", os.write)
     assert records.recover()
     ticket = sessions.begin(session_id="a", turn_type="main", session_done=False, messages=messages)
     assert sessions.complete(ticket, completion).index == 0
