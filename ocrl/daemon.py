@@ -186,7 +186,7 @@ class Daemon:
         """--method opd|combine: the hint judge (the embed judge's reading of corrections on CPU,
         else m generated votes) and the teacher's prompt (the turn's messages plus hints)."""
         from ocrl.judge.hints import EmbedHintJudge, GenerateHintJudge
-        from ocrl.sessions import Distill
+        from ocrl.judging import Distill
 
         config = self.config
         if config.method == "rl":

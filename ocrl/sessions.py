@@ -16,7 +16,7 @@ Rules (DESIGN.md, "The method"):
   get a next state of their own, so they are submitted at once with mask 0 (recorded with their
   `choice` and `group_size` for inspection, never trained on): the judge scores a reply from
   what followed it, and only one reply was followed.
-- --method opd|combine (see `Distill`): the hint judge votes beside (combine) or instead of
+- --method opd|combine (see `judging.Distill`): the hint judge votes beside (combine) or instead of
   (opd) the PRM, and a turn with a hint carries the teacher's prompt in its sample.
 
 A request without a session id is threaded by prefix: if its messages extend a known main turn's
@@ -29,7 +29,8 @@ one that answered last). Housekeeping requests and envelopes are the client rule
 records and the sample with its envelope cut off. This module knows nothing of HTTP,
 of how the judge votes or of training; it hands (turn, next state) pairs to a judging function
 and finished samples to a sink. A main turn's states and their moves are `turns.py`'s; the
-threading index is `session_index.py`; bringing sessions back after a crash is `restore.py`.
+threading index is `session_index.py`; judging a closed turn and settling its sample by
+these rules is `judging.py`; bringing sessions back after a crash is `restore.py`.
 """
 
 from __future__ import annotations
@@ -37,46 +38,21 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections import Counter, deque
-from dataclasses import dataclass
-from typing import Awaitable, Callable
+from collections import Counter
+from typing import Callable
 
 import anyio
 
 from ocrl.clients import ClientRules
 from ocrl.events import NoEvents
-from ocrl.faults import crash_point
 from ocrl.jsonl import DiskFull
+from ocrl.judging import Distill, JudgeFn, Judging
 from ocrl.records import NoRecords
 from ocrl.session_index import SessionIndex
-from ocrl.turns import Held, MainTurn, Session, Ticket, TurnState, prefix_key, response_message, sample_id, turn_sample
-from ocrl.types import Completion, Hint, Message, Sample, SampleReady, SessionChanged, Turn, TurnServed, Verdict, VerdictReady, Vote
+from ocrl.turns import MainTurn, Session, Ticket, TurnState, prefix_key, response_message, sample_id, turn_sample
+from ocrl.types import Completion, Hint, Message, Sample, SampleReady, SessionChanged, Turn, TurnServed
 
 log = logging.getLogger("ocrl.sessions")
-
-
-JudgeFn = Callable[[str, str, str], Awaitable[Verdict]]
-
-
-@dataclass
-class Distill:
-    """What --method opd|combine adds: a hint judge, and how to build the teacher's prompt
-    (the turn's prompt with hints added) as token ids.
-
-    - opd: a turn yields a trainable sample only when the teacher has a hint for it; no reward.
-    - combine: the reward as in rl, plus the teacher signal when there is a hint; a turn with
-      either is trainable, one with neither follows the rl rules (at-least-one).
-    - experience: session | cross-session: the accepted hints of the session's earlier turns
-      (or of recent turns of any session, newest `experience_max`) join the teacher's context,
-      so a turn can be distilled without a hint of its own. posthoc: a session's judged turns
-      wait for its end, then each is scored with every hint of the whole session (a turn
-      judged after the end gets the hints known by then)."""
-
-    method: str  # opd | combine
-    hint: Callable[[str, str, str], Awaitable[Hint]]
-    teacher_prompt: Callable[[Turn, list[str]], list[int]]
-    experience: str = "off"  # off | session | cross-session | posthoc
-    experience_max: int = 8
 
 
 class Sessions:
@@ -93,13 +69,10 @@ class Sessions:
         distill: Distill | None = None,
         clients: ClientRules | None = None,
     ):
-        self.judge = judge
-        self.distill = distill
-        self.method = distill.method if distill else "rl"
-        self._recent_hints: deque[str] = deque(maxlen=distill.experience_max if distill else 1)
         self.submit = submit
         self.records = records if records is not None else NoRecords()
         self.events = events if events is not None else NoEvents()
+        self.method = distill.method if distill else "rl"
         self.default_turn_type = default_turn_type
         self.timeout = timeout
         self.parse_response = parse_response or (lambda text: (text, []))
@@ -107,6 +80,7 @@ class Sessions:
         self.sessions: dict[str, Session] = {}
         self.counters: Counter = Counter()
         self.index = SessionIndex(self.sessions, self.counters)
+        self.judging = Judging(judge, distill, records=self.records, events=self.events, counters=self.counters, emit=self._emit)
         self._judging, self._to_judge = anyio.create_memory_object_stream[tuple[Session, MainTurn]](float("inf"))
         self._in_flight = 0
 
@@ -268,7 +242,7 @@ class Sessions:
                 self._choose(session, last, None)
             only = len(session.turns) == 1 and self.method != "opd"  # opd: no next state, no hint, nothing to learn
             self._emit(session, last, score=None, mask=1 if only else 0, reward=0.0, votes=[], promoted=False)
-        self._release_held(session)
+        self.judging.release_held(session)
         self.index.forget(session)
         self.counters["sessions_closed"] += 1
         self.sessions.pop(session_id, None)  # votes in flight keep their own reference
@@ -311,111 +285,10 @@ class Sessions:
         self._judging.send_nowait((session, main_turn))
 
     async def _judge_one(self, session: Session, main_turn: MainTurn) -> None:
-        turn, next_state = main_turn.turn, main_turn.next_state
-        started = time.monotonic()
-        verdict: Verdict | None = None
-        hint: Hint | None = None
-
-        async def score() -> None:
-            nonlocal verdict
-            try:
-                verdict = await self.judge(turn.response_text, next_state.content or "", next_state.role)
-            except Exception as e:  # a broken judge costs this turn its score, never its sample
-                log.warning("judge failed on %s#%d: %s", turn.session_id, turn.index, e)
-                self.counters["judge_failures"] += 1
-                verdict = Verdict(score=0, votes=[Vote(None, f"judge error: {type(e).__name__}: {e}")], mode="error")
-            verdict.seconds = verdict.seconds or time.monotonic() - started
-
-        async def find_hint() -> None:
-            nonlocal hint
-            try:
-                hint = await self.distill.hint(turn.response_text, next_state.content or "", next_state.role)
-            except Exception as e:  # a broken hint judge costs this turn its hint, never its sample
-                log.warning("hint judge failed on %s#%d: %s", turn.session_id, turn.index, e)
-                self.counters["hint_failures"] += 1
-                hint = Hint(hint=None, votes=[Vote(None, f"hint judge error: {type(e).__name__}: {e}")], mode="error")
-
         try:
-            async with anyio.create_task_group() as tg:  # in combine, the two judges vote at once
-                if self.method != "opd":
-                    tg.start_soon(score)
-                if self.method != "rl":
-                    tg.start_soon(find_hint)
-            crash_point("judging")
-            if verdict is not None:
-                self.counters[f"verdict_{verdict.score:+d}" if verdict.score else "verdict_0"] += 1
-                # votes that hit the judge's token budget with no score: the budget, not the judge, failed
-                self.counters["votes_truncated"] += sum(vote.truncated for vote in verdict.votes)
-                self.records.verdict(turn.session_id, turn.index, verdict, next_state.content, next_state.role)
-                self.events.publish(VerdictReady(session_id=turn.session_id, index=turn.index, verdict=verdict))
-            if hint is not None:
-                self.counters["hints_accepted" if hint.hint else "hints_none"] += 1
-                self.counters["hint_votes_truncated"] += sum(vote.truncated for vote in hint.votes)
-                self.records.hint(turn.session_id, turn.index, hint)
-            self._settle(session, main_turn, verdict, hint)
-        except Exception:  # never take the judging loop (and the daemon) down with one turn
-            log.exception("settling %s#%d failed", turn.session_id, turn.index)
-            self.counters["settle_failures"] += 1
+            await self.judging.judge_turn(session, main_turn)
         finally:
             self._in_flight -= 1
-
-    def _settle(self, session: Session, main_turn: MainTurn, verdict: Verdict | None, hint: Hint | None) -> None:
-        """The sample of a judged turn: its mask, reward and (opd/combine) teacher prompt. With
-        --experience posthoc the turn waits for its session to end (see `_release_held`)."""
-        own = hint.hint if hint else None
-        experience = [h for h in self._experience(session) if h != own]  # what was learned before this turn
-        if own:
-            session.hints.append(own)
-            self._recent_hints.append(own)
-        if self.distill and self.distill.experience == "posthoc":
-            main_turn.move(TurnState.HELD)
-            session.held.append(Held(main_turn, verdict, hint))
-            self._release_held(session)
-            return
-        self._finish(session, main_turn, verdict, hint, experience)
-
-    def _release_held(self, session: Session) -> None:
-        """posthoc: once the session has ended and no turn of it is being judged, every held turn
-        gets the whole session's hints as the teacher's context."""
-        if not session.closed or session.judging:
-            return
-        for held in session.held:
-            own = held.hint.hint if held.hint else None
-            self._finish(session, held.main_turn, held.verdict, held.hint, [h for h in self._experience(session) if h != own])
-        session.held.clear()
-
-    def _finish(self, session: Session, main_turn: MainTurn, verdict: Verdict | None, hint: Hint | None, experience: list[str]) -> None:
-        own = hint.hint if hint else None
-        teacher_ids = None
-        if self.distill and (own or experience):
-            try:
-                teacher_ids = self.distill.teacher_prompt(main_turn.turn, experience + ([own] if own and own not in experience else []))
-            except Exception as e:  # a prompt that cannot be rendered costs the teacher signal only
-                log.warning("teacher prompt failed on %s#%d: %s", main_turn.turn.session_id, main_turn.turn.index, e)
-                self.counters["teacher_prompt_failures"] += 1
-        score = verdict.score if verdict is not None else None
-        if self.method == "opd":
-            mask, promoted = (1 if teacher_ids is not None else 0), False
-        elif score or teacher_ids is not None:
-            mask, promoted = 1, False
-        else:
-            promoted = session.effective == 0
-            mask = 1 if promoted else 0
-        self._emit(
-            session, main_turn, score=score, mask=mask, reward=float(score or 0), votes=verdict.votes if verdict else [],
-            promoted=promoted, hint=hint, experience=experience, teacher_prompt_ids=teacher_ids,
-        )
-
-    def _experience(self, session: Session) -> list[str]:
-        """Earlier accepted hints the teacher sees with this turn (--experience)."""
-        mode = self.distill.experience if self.distill else "off"
-        if mode in ("session", "posthoc"):
-            hints = session.hints
-        elif mode == "cross-session":
-            hints = list(self._recent_hints)
-        else:
-            return []
-        return list(dict.fromkeys(hints))[-self.distill.experience_max :]  # each once, newest kept
 
     def _emit(
         self, session: Session, main_turn: MainTurn, *, score, mask, reward, votes, promoted, hint: Hint | None = None,

@@ -14,7 +14,8 @@ from ocrl import chat
 from ocrl.judge.embed import EmbedJudge
 from ocrl.judge.hints import EmbedHintJudge, GenerateHintJudge
 from ocrl.judge.votes import parse_hint, select_hint
-from ocrl.sessions import Distill, Sessions
+from ocrl.judging import Distill
+from ocrl.sessions import Sessions
 from ocrl.train.batch import teacher_view
 from ocrl.train.trainer import Trainer
 from ocrl.types import Completion, Hint, Message, Sample, Verdict, Vote
