@@ -639,13 +639,13 @@ def test_sync_sglang_methods_still_work_outside_a_loop(fake_sglang):
 async def test_adopt_signals_starts_the_handle_loop_and_routes_sigquit(fake_sglang, monkeypatch):
     import signal
 
-    from ocrl.engine import sglang as adapter_mod
+    from ocrl.engine import sglang_process
 
     engine, tm = make_engine()
-    health = adapter_mod._Health()
+    health = sglang_process.Health()
     health.child_failed()  # during the launch: only logged (sglang.Engine() raises by itself)
     killed = []
-    monkeypatch.setattr(adapter_mod.os, "kill", lambda pid, signum: killed.append(signum))
+    monkeypatch.setattr(sglang_process.os, "kill", lambda pid, signum: killed.append(signum))
     engine.adopt_signals(health)
     try:
         assert tm.handle_loop_started
@@ -665,6 +665,36 @@ async def test_run_shuts_sglang_down_when_cancelled(fake_sglang):
         await asyncio.sleep(0.01)
         tg.cancel_scope.cancel()
     assert inner.shut_down and engine.inner is None
+
+
+async def test_start_launches_sglang_with_the_config_and_takes_its_signals(fake_sglang, monkeypatch):
+    import signal
+
+    from ocrl.engine.sglang import SGLangEngine
+
+    launched = {}
+
+    def engine_from(**kwargs):
+        launched.update(kwargs)
+        return FakeEngine(FakeTokenizerManager(True))
+
+    monkeypatch.setattr(fake_sglang["sglang"], "Engine", engine_from)
+    model_config = SimpleNamespace(eos_token_id=[2, 3], max_position_embeddings=4096, vocab_size=V)
+    model = SimpleNamespace(config=model_config, parameters=lambda: iter([torch.zeros(1, dtype=torch.bfloat16)]))
+    loaded = SimpleNamespace(model=model, path="/models/m", name="m", tokenizer=SimpleNamespace(eos_token_id=0))
+    config = Config(context_length=1024, lora_alpha=32)
+    engine = await SGLangEngine.start(loaded, config, lora_rank=8)
+    try:
+        # token ids only, the served dtype, the context asked for, LoRA up to the rank asked for
+        assert launched["skip_tokenizer_init"] and launched["dtype"] == "bfloat16" and launched["context_length"] == 1024
+        assert launched["enable_lora"] and launched["max_lora_rank"] == 8
+        assert engine.accepts_adapters and engine.lora_config["r"] == 8 and engine.lora_config["lora_alpha"] == 32
+        assert engine.eos_ids == [0, 2, 3] and engine.max_context == 1024 and engine.dtype == torch.bfloat16
+        assert engine.tm.handle_loop_started
+        with pytest.raises(EngineError, match="run_until_complete"):
+            engine.inner.flush_cache()  # the sync conveniences are guarded on the launched instance
+    finally:
+        asyncio.get_running_loop().remove_signal_handler(signal.SIGQUIT)
 
 
 # -- selection -------------------------------------------------------------------------------

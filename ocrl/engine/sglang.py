@@ -8,8 +8,9 @@ itself. Log-probs are the raw ones (before temperature; `SGLANG_RETURN_ORIGINAL_
 they equal a teacher-forced forward, like the HF engine's.
 
 Everything runs on the daemon's event loop through the async `engine.tokenizer_manager`
-methods. The `sglang.Engine` convenience methods are synchronous (`loop.run_until_complete`)
-and fail inside a running loop; they are replaced on our instance by a guard that says so.
+methods. Starting SGLang's processes, its signals and its synchronous conveniences are
+sglang_process.py's; `shutdown()` stops those processes (SGLang's way: every descendant of this
+one).
 
 Weight swaps, two paths behind `update_weights` (one `weights_version` either way):
 - full weights (what the trainer sends today, merged tensors named as in the HF model): cast to
@@ -24,22 +25,12 @@ Weight swaps, two paths behind `update_weights` (one `weights_version` either wa
   starts, so every completion is exactly one version; the previous adapter is unloaded once
   its requests finish (SGLang's registry waits for them). `base()` serves the base weights of
   the same engine (a judge that must not see the policy).
-
-Process hazards handled here: importing SGLang sets a uvloop policy and the `spawn` start
-method, so entry points need a `__main__` guard (`python -m ocrl` has one); a failing child
-sends SIGQUIT, whose default kills this whole process, so we pass `custom_sigquit_handler` and
-turn it into an orderly SIGTERM of the daemon; SGLang's own SIGTERM handler is removed (the
-daemon owns shutdown); `shutdown()` kills every descendant process of this one.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import math
-import os
-import signal
-import threading
 import time
 import uuid
 from typing import AsyncIterator
@@ -47,6 +38,7 @@ from typing import AsyncIterator
 import anyio
 
 from ocrl.engine.base import EngineBusy, EngineError, Final, collect, find_stop, finished_end, ready_end
+from ocrl.engine.sglang_process import Health, guard_sync_methods, launch, take_signals
 from ocrl.engine.sglang_swap import BUCKET_BYTES, WeightSwaps, _make
 from ocrl.types import Completion, Grammar, SamplingParams, TokenChunk, TopLogprob
 
@@ -54,19 +46,6 @@ log = logging.getLogger("ocrl.engine")
 
 CURRENT = object()  # score / next_token_logprobs: the adapter new requests use
 TOP_FOR_NEXT_TOKEN = 256  # next_token_logprobs: top-K exact, the rest share what is left
-# The sync conveniences of sglang.Engine that call loop.run_until_complete.
-SYNC_METHODS = (
-    "generate", "encode", "flush_cache", "update_weights_from_tensor", "update_weights_from_disk",
-    "update_weights_from_distributed", "load_lora_adapter", "load_lora_adapter_from_tensors",
-    "unload_lora_adapter", "release_memory_occupation", "resume_memory_occupation", "get_weights_by_name",
-    "begin_weight_update", "end_weight_update",
-)  # fmt: skip
-
-
-def available() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("sglang") is not None
 
 
 def _finish_reason(reason) -> str | None:
@@ -79,26 +58,6 @@ def _finish_reason(reason) -> str | None:
     if kind == "abort":
         raise EngineError(f"sglang aborted the request: {reason.get('message', 'aborted')}")
     raise EngineError(f"sglang finished with an unknown reason {reason!r}")
-
-
-def _guard_sync_methods(inner) -> None:
-    """Replace the instance's sync methods with ones that refuse to run inside a running loop."""
-    for name in SYNC_METHODS:
-        method = getattr(inner, name, None)
-        if method is None:
-            continue
-
-        def guarded(*args, _name=name, _method=method, **kwargs):
-            try:
-                asyncio.get_running_loop()
-            except RuntimeError:
-                return _method(*args, **kwargs)
-            raise EngineError(
-                f"sglang.Engine.{_name}() is synchronous (it calls loop.run_until_complete) and cannot run "
-                f"inside the daemon's event loop; await engine.tokenizer_manager.{_name}(...) instead"
-            )
-
-        setattr(inner, name, guarded)
 
 
 class _Stream:
@@ -139,7 +98,7 @@ class SGLangEngine(WeightSwaps):
     ):  # fmt: skip
         if pause_mode not in ("retract", "in_place"):
             raise ValueError(f"pause_mode {pause_mode!r}: retract or in_place")
-        _guard_sync_methods(inner)
+        guard_sync_methods(inner)
         self.inner = inner
         self.tm = inner.tokenizer_manager
         self.tokenizer = tokenizer
@@ -173,59 +132,30 @@ class SGLangEngine(WeightSwaps):
 
     @classmethod
     async def start(cls, loaded, config, *, lora_rank: int = 0, pause_mode: str = "retract") -> "SGLangEngine":
-        """Launches SGLang's scheduler and detokenizer processes for `loaded`'s model (blocks the
-        loop for the launch, like loading a model does) and takes back signal handling.
-        `lora_rank > 0` enables the LoRA swap path (adapters up to that rank)."""
-        os.environ.setdefault("SGLANG_RETURN_ORIGINAL_LOGPROB", "1")  # raw log-probs, as the HF engine
-        import sglang  # lazy: sets a uvloop policy and the spawn start method on import
-
-        model_config = loaded.model.config
-        dtype = next(loaded.model.parameters()).dtype
-        health = _Health()
-        kwargs = dict(
-            model_path=loaded.path, tokenizer_path=loaded.path, skip_tokenizer_init=True,
-            mem_fraction_static=config.engine_mem_fraction, dtype=str(dtype).removeprefix("torch."),
-            random_seed=config.seed, incremental_streaming_output=True, log_level="error",
-            custom_sigquit_handler=health.child_failed,
-            load_format="dummy" if getattr(config, "random_init", "") else "auto",
-        )  # fmt: skip
-        if config.context_length > 0:
-            kwargs["context_length"] = config.context_length
-        lora_config = None
-        if lora_rank > 0:
-            from ocrl.loaded import LORA_TARGETS
-
-            kwargs |= dict(enable_lora=True, max_lora_rank=lora_rank, lora_target_modules=list(LORA_TARGETS), max_loras_per_batch=2)
-            lora_config = {"r": lora_rank, "lora_alpha": config.lora_alpha, "target_modules": list(LORA_TARGETS),
-                           "peft_type": "LORA", "task_type": "CAUSAL_LM", "bias": "none", "lora_dropout": 0.0}  # fmt: skip
+        """Launches SGLang's processes for `loaded`'s model (sglang_process.py) and takes back
+        signal handling. `lora_rank > 0` enables the LoRA swap path (adapters up to that rank)."""
+        health = Health()
         started = time.monotonic()
-        inner = sglang.Engine(**kwargs)
+        inner, lora_config = launch(loaded, config, lora_rank=lora_rank, health=health)
+        model_config = loaded.model.config
         eos = model_config.eos_token_id
         eos_ids = {i for i in (eos if isinstance(eos, list) else [eos]) + [loaded.tokenizer.eos_token_id] if i is not None}
         trained_for = int(getattr(model_config, "max_position_embeddings", 2048))
         engine = cls(
             inner, tokenizer=loaded.tokenizer, name=loaded.name,
             max_context=min(config.context_length, trained_for) if config.context_length > 0 else trained_for,
-            eos_ids=eos_ids, vocab_size=int(model_config.vocab_size), dtype=dtype, lora_config=lora_config,
-            max_queued=config.max_queued_requests, pause_mode=pause_mode,
+            eos_ids=eos_ids, vocab_size=int(model_config.vocab_size), dtype=next(loaded.model.parameters()).dtype,
+            lora_config=lora_config, max_queued=config.max_queued_requests, pause_mode=pause_mode,
         )  # fmt: skip
         engine.adopt_signals(health)
         log.info("sglang engine up in %.1fs (static pool %.0f%% of GPU memory)", time.monotonic() - started,
                  100 * config.engine_mem_fraction)
         return engine
 
-    def adopt_signals(self, health: "_Health") -> None:
-        """Start SGLang's response loop on our loop now, then take SIGTERM back (the daemon
-        drains and checkpoints; SGLang's handler would kill the process tree) and route SIGQUIT
-        from a failing child to an orderly stop."""
-        self.tm.auto_create_handle_loop()
+    def adopt_signals(self, health: Health) -> None:
+        """A failing SGLang child now stops this engine's daemon in order (see `take_signals`)."""
         health.engine = self
-        if threading.current_thread() is not threading.main_thread():
-            return
-        loop = asyncio.get_running_loop()
-        for signum in (signal.SIGTERM, signal.SIGQUIT):
-            loop.remove_signal_handler(signum)
-        loop.add_signal_handler(signal.SIGQUIT, health.child_failed)
+        take_signals(self.tm, health)
 
     async def run(self) -> None:
         """Owned by the daemon's task group: hosts adapter unloads; shuts SGLang down when
@@ -443,16 +373,3 @@ class BaseWeights:
         await anyio.sleep_forever()
 
 
-class _Health:
-    """SIGQUIT from a failing SGLang child: mark the engine failed and stop the daemon in order
-    (SIGTERM to ourselves) instead of SGLang's default of killing the whole process tree."""
-
-    def __init__(self):
-        self.engine: SGLangEngine | None = None
-
-    def child_failed(self, signum=None, frame=None) -> None:
-        log.error("an sglang child process failed (SIGQUIT)")
-        if self.engine is None:
-            return  # still launching: sglang.Engine() raises on its own
-        self.engine.failed = "an sglang child process failed; the daemon is stopping"
-        os.kill(os.getpid(), signal.SIGTERM)
