@@ -12,17 +12,14 @@ from __future__ import annotations
 import time
 import uuid
 
-import anyio
 import msgspec
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from ocrl import chat
 from ocrl.chat_request import ChatRequest, decode_request
-from ocrl.engine.base import EngineError
 from ocrl.pipeline import Pipeline, Prepared
 from ocrl.replies import ApiError, answered, json_response, stream_error
-from ocrl.streams import Accumulator, merged
 from ocrl.types import Completion
 
 _encoder = msgspec.json.Encoder()
@@ -88,32 +85,23 @@ class ChatCompletions:
             chunk = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": api.served_name, "choices": [choice], **extra}
             return b"data: " + _encoder.encode(chunk) + b"\n\n"
 
-        choices = [Accumulator(prepared.prompt_ids) for _ in prepared.params]
-        for k in range(len(choices)):
+        for k in range(len(prepared.params)):
             yield event(k, {"role": "assistant", "content": ""})
-        try:
-            with anyio.fail_after(api.config.request_timeout):
-                async for k, chunk in merged(api.streams(prepared)):
-                    choice = choices[k]
-                    choice.add(chunk)
-                    so_far = choice.text
-                    # With tools offered, content stops where a <tool_call> block may begin.
-                    safe = chat.streamable(so_far, tools_offered)
-                    logprobs = {"content": api._logprobs(chunk.token_ids, chunk.logprobs, chunk.top_logprobs)} if body.logprobs and chunk.token_ids else None
-                    if safe > choice.sent or logprobs:
-                        yield event(k, {"content": so_far[choice.sent : max(safe, choice.sent)]}, logprobs=logprobs)
-                    choice.sent = max(choice.sent, safe)
-            if any(c.completion is None for c in choices):
-                raise EngineError("generation ended without a final chunk")
-        except (EngineError, TimeoutError) as e:
-            api.sessions.abort(prepared.ticket)
-            yield stream_error(prepared.scope, e)
+        async with api.streaming(prepared) as run:
+            async for k, chunk in run:
+                choice = run.choices[k]
+                so_far = choice.text
+                # With tools offered, content stops where a <tool_call> block may begin.
+                safe = chat.streamable(so_far, tools_offered)
+                logprobs = {"content": api._logprobs(chunk.token_ids, chunk.logprobs, chunk.top_logprobs)} if body.logprobs and chunk.token_ids else None
+                if safe > choice.sent or logprobs:
+                    yield event(k, {"content": so_far[choice.sent : max(safe, choice.sent)]}, logprobs=logprobs)
+                choice.sent = max(choice.sent, safe)
+        if run.failure is not None:
+            yield stream_error(prepared.scope, run.failure)
             yield b"data: [DONE]\n\n"
             return
-        except BaseException:
-            api.sessions.abort(prepared.ticket)  # the client went away: no turn to keep
-            raise
-        completions = [c.completion for c in choices]
+        choices, completions = run.choices, run.completions
         try:
             turns = api.keep(prepared, completions)
         except ApiError as e:  # the text went out, but the turn is not kept (a full disk): say so

@@ -22,17 +22,14 @@ import uuid
 from types import SimpleNamespace
 from typing import Annotated, Any, Literal
 
-import anyio
 import msgspec
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from ocrl import guard
 from ocrl.chat_request import StreamOptions, check_fields
-from ocrl.engine.base import EngineError
 from ocrl.pipeline import Prepared
 from ocrl.replies import ApiError, answered, json_response, stream_error
-from ocrl.streams import Accumulator, merged
 from ocrl.types import Message
 
 log = logging.getLogger("ocrl.completions")
@@ -154,27 +151,17 @@ class Completions:
             chunk = {"id": cid, "object": "text_completion", "created": created, "model": api.served_name, "choices": choices, **extra}
             return b"data: " + _encoder.encode(chunk) + b"\n\n"
 
-        choices = [Accumulator(prepared.prompt_ids) for _ in prepared.params]
-        try:
-            with anyio.fail_after(api.config.request_timeout):
-                async for k, chunk in merged(api.streams(prepared)):
-                    choice = choices[k]
-                    offset = len(choice.text)
-                    choice.add(chunk)
-                    if chunk.text or chunk.token_ids:
-                        logprobs = self._logprobs(body, chunk.token_ids, chunk.logprobs, chunk.top_logprobs, offset) if chunk.token_ids else None
-                        yield event([{"index": k, "text": chunk.text, "logprobs": logprobs, "finish_reason": None}])
-            if any(c.completion is None for c in choices):
-                raise EngineError("generation ended without a final chunk")
-        except (EngineError, TimeoutError) as e:
-            api.sessions.abort(prepared.ticket)
-            yield stream_error(prepared.scope, e)
+        async with api.streaming(prepared) as run:
+            async for k, chunk in run:
+                if chunk.text or chunk.token_ids:
+                    offset = len(run.choices[k].text) - len(chunk.text)  # where this chunk's text starts
+                    logprobs = self._logprobs(body, chunk.token_ids, chunk.logprobs, chunk.top_logprobs, offset) if chunk.token_ids else None
+                    yield event([{"index": k, "text": chunk.text, "logprobs": logprobs, "finish_reason": None}])
+        if run.failure is not None:
+            yield stream_error(prepared.scope, run.failure)
             yield b"data: [DONE]\n\n"
             return
-        except BaseException:
-            api.sessions.abort(prepared.ticket)
-            raise
-        completions = [c.completion for c in choices]
+        completions = run.completions
         turns = api.keep(prepared, completions)
         for k, (completion, turn) in enumerate(zip(completions, turns)):
             yield event([{"index": k, "text": "", "logprobs": None, "finish_reason": completion.finish_reason}], ocrl=api._ocrl_fields(turn, completion))

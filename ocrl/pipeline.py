@@ -3,8 +3,9 @@
 1. receive: the body read and decoded (bodies.py), the request validated, the session fields
    taken off what the model sees, the prompt rendered and tokenised off the event loop, the
    turn opened with the sessions (`prepare`);
-2. generate: one engine stream per choice, consumed with the request's time limit, stopped when
-   the client leaves (`generate`, `generate_while_connected`);
+2. generate: one engine stream per choice, under the request's time limit, streamed to the
+   client (`streaming`) or consumed (`generate`), stopped when the client leaves
+   (`generate_while_connected`); a failure aborts the turn, in one place for every route;
 3. keep: the finished main or side turn handed to the sessions (`keep`).
 
 Plus the pieces of an OpenAI answer every route writes alike: usage, token log-probs, the ocrl
@@ -14,6 +15,7 @@ or trains; knows nothing of any one route's request or response shape.
 
 from __future__ import annotations
 
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
@@ -45,6 +47,32 @@ class Prepared:
     params: list[SamplingParams]
     ticket: Any
     scope: dict
+
+
+class Streaming:
+    """One request's choices as their chunks arrive, each chunk added to its choice's
+    accumulator before it is handed on; see `Pipeline.streaming`."""
+
+    def __init__(self, streams: list[AsyncIterator[TokenChunk]], prompt_ids: list[int], n: int):
+        self.choices = [Accumulator(prompt_ids) for _ in range(n)]
+        self.failure: EngineError | TimeoutError | None = None  # what ended generation early
+        self._chunks = merged(streams)
+
+    def __aiter__(self) -> Streaming:
+        return self
+
+    async def __anext__(self) -> tuple[int, TokenChunk]:
+        k, chunk = await anext(self._chunks)
+        self.choices[k].add(chunk)
+        return k, chunk
+
+    @property
+    def completions(self) -> list[Completion]:
+        return [choice.completion for choice in self.choices]
+
+    async def aclose(self) -> None:
+        """Closes the engine streams: the engine drops requests still generating."""
+        await self._chunks.aclose()
 
 
 class Pipeline(BodyReader):
@@ -158,28 +186,41 @@ class Pipeline(BodyReader):
         """2. generate: one engine stream per choice."""
         return [self.engine.stream(prepared.prompt_ids, params) for params in prepared.params]
 
-    async def generate(self, prepared: Prepared) -> list[Completion]:
-        """2. generate, consumed (the non-streaming answer). On any failure the turn is dropped."""
-        choices = [Accumulator(prepared.prompt_ids) for _ in prepared.params]
+    @asynccontextmanager
+    async def streaming(self, prepared: Prepared) -> AsyncIterator[Streaming]:
+        """2. generate, as it comes: `async for k, chunk in run` inside the block gives each
+        choice's chunks under the request's time limit, each already added to `run.choices[k]`.
+        An engine failure or the time limit ends the block quietly with the turn aborted and
+        `run.failure` set (each route says so in its own shape); anything else (the client gone)
+        aborts the turn and goes on. The engine streams are closed either way."""
+        run = Streaming(self.streams(prepared), prepared.prompt_ids, len(prepared.params))
         try:
             with anyio.fail_after(self.config.request_timeout):
-                async for k, chunk in merged(self.streams(prepared)):
-                    choices[k].add(chunk)
-            if any(c.completion is None for c in choices):
+                yield run
+            if any(c.completion is None for c in run.choices):
                 raise EngineError("generation ended without a final chunk")
-        except TimeoutError:
+        except (EngineError, TimeoutError) as e:
             self.sessions.abort(prepared.ticket)
-            raise ApiError(504, f"generation took longer than {self.config.request_timeout}s", "timeout") from None
-        except EngineBusy as e:
-            self.sessions.abort(prepared.ticket)
-            raise ApiError(429, f"server busy: {e}", "rate_limit_error", headers={"Retry-After": "1"}) from None
-        except EngineError as e:
-            self.sessions.abort(prepared.ticket)
-            raise ApiError(500, f"generation failed: {e}", "server_error") from None
+            run.failure = e
         except BaseException:
-            self.sessions.abort(prepared.ticket)
+            self.sessions.abort(prepared.ticket)  # the client went away: no turn to keep
             raise
-        return [c.completion for c in choices]
+        finally:
+            with anyio.CancelScope(shield=True):  # a cancelled request still frees the engine's slots
+                await run.aclose()
+
+    async def generate(self, prepared: Prepared) -> list[Completion]:
+        """2. generate, consumed (the non-streaming answer). On any failure the turn is dropped."""
+        async with self.streaming(prepared) as run:
+            async for _ in run:
+                pass
+        if isinstance(run.failure, TimeoutError):
+            raise ApiError(504, f"generation took longer than {self.config.request_timeout}s", "timeout") from None
+        if isinstance(run.failure, EngineBusy):
+            raise ApiError(429, f"server busy: {run.failure}", "rate_limit_error", headers={"Retry-After": "1"}) from None
+        if run.failure is not None:
+            raise ApiError(500, f"generation failed: {run.failure}", "server_error") from None
+        return run.completions
 
     async def generate_while_connected(self, prepared: Prepared, http: Request) -> list[Completion] | None:
         """`generate`, stopped (the engine drops the request, the turn is aborted) as soon as the

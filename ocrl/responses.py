@@ -35,16 +35,13 @@ import uuid
 from collections import OrderedDict
 from typing import Annotated, Any, Literal
 
-import anyio
 import msgspec
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from ocrl import chat
 from ocrl.chat_request import decode_request
-from ocrl.engine.base import EngineError
 from ocrl.replies import ApiError, answered, error_response, json_response, stream_error
-from ocrl.streams import Accumulator, merged
 
 log = logging.getLogger("ocrl.responses")
 
@@ -241,46 +238,38 @@ class Responses:
 
         yield event("response.created", response=shape.envelope("in_progress"))
         yield event("response.in_progress", response=shape.envelope("in_progress"))
-        choice = Accumulator(prepared.prompt_ids)
         tools_offered = prepared.tools is not None
         message_id, streamed = "msg_" + uuid.uuid4().hex, None  # None: the message item is not open yet
         reasoning_sent = False
-        try:
-            with anyio.fail_after(api.config.request_timeout):
-                async for _, chunk in merged(api.streams(prepared)):
-                    choice.add(chunk)
-                    reasoning, visible = split_reasoning(choice.text)
-                    if visible is None:
-                        continue  # inside a <think> block: it becomes its own item once closed
-                    if reasoning and not reasoning_sent:
-                        reasoning_sent = True
-                        item = shape.reasoning_item(reasoning)
-                        yield event("response.output_item.added", output_index=0, item=item)
-                        yield event("response.output_item.done", output_index=0, item=item)
-                    # text streams as it comes, up to where a tool call may begin
-                    safe = chat.streamable(visible, tools_offered)
-                    if streamed is None and visible[:safe].strip():
-                        streamed = ""
-                        index = int(reasoning_sent)
-                        yield event("response.output_item.added", output_index=index, item=shape.message_item(message_id, "", "in_progress", None))
-                        yield event("response.content_part.added", item_id=message_id, output_index=index, content_index=0, part=shape.text_part("", None))
-                    if streamed is not None and safe > len(streamed):
-                        delta = visible[len(streamed) : safe]
-                        streamed += delta
-                        yield event("response.output_text.delta", item_id=message_id, output_index=int(reasoning_sent), content_index=0, delta=delta, logprobs=[])
-            if choice.completion is None:
-                raise EngineError("generation ended without a final chunk")
-        except (EngineError, TimeoutError) as e:
-            api.sessions.abort(prepared.ticket)
-            stream_error(prepared.scope, e)
+        async with api.streaming(prepared) as run:
+            choice = run.choices[0]
+            async for _ in run:
+                reasoning, visible = split_reasoning(choice.text)
+                if visible is None:
+                    continue  # inside a <think> block: it becomes its own item once closed
+                if reasoning and not reasoning_sent:
+                    reasoning_sent = True
+                    item = shape.reasoning_item(reasoning)
+                    yield event("response.output_item.added", output_index=0, item=item)
+                    yield event("response.output_item.done", output_index=0, item=item)
+                # text streams as it comes, up to where a tool call may begin
+                safe = chat.streamable(visible, tools_offered)
+                if streamed is None and visible[:safe].strip():
+                    streamed = ""
+                    index = int(reasoning_sent)
+                    yield event("response.output_item.added", output_index=index, item=shape.message_item(message_id, "", "in_progress", None))
+                    yield event("response.content_part.added", item_id=message_id, output_index=index, content_index=0, part=shape.text_part("", None))
+                if streamed is not None and safe > len(streamed):
+                    delta = visible[len(streamed) : safe]
+                    streamed += delta
+                    yield event("response.output_text.delta", item_id=message_id, output_index=int(reasoning_sent), content_index=0, delta=delta, logprobs=[])
+        if run.failure is not None:
+            stream_error(prepared.scope, run.failure)
             failed = shape.envelope("failed")
-            failed["error"] = {"code": "server_error", "message": str(e) or "generation timed out"}
+            failed["error"] = {"code": "server_error", "message": str(run.failure) or "generation timed out"}
             yield event("response.failed", response=failed)
             return
-        except BaseException:
-            api.sessions.abort(prepared.ticket)  # the client went away: no turn to keep
-            raise
-        completion = choice.completion
+        [completion] = run.completions
         try:
             [turn] = api.keep(prepared, [completion])
         except ApiError as e:  # the text went out, but the turn cannot be kept (a full disk): say so

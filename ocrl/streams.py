@@ -47,8 +47,11 @@ async def merged(streams: list[AsyncIterator[TokenChunk]]) -> AsyncIterator[tupl
     """(choice index, chunk) from every stream, as each arrives. An exception from any stream
     ends the iteration (the others are closed) and propagates."""
     if len(streams) == 1:  # the common case, without tasks
-        async for chunk in streams[0]:
-            yield 0, chunk
+        try:
+            async for chunk in streams[0]:
+                yield 0, chunk
+        finally:
+            await streams[0].aclose()
         return
     iterators = [stream.__aiter__() for stream in streams]
     pending = {asyncio.ensure_future(anext(it)): k for k, it in enumerate(iterators)}
