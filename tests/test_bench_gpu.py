@@ -123,3 +123,20 @@ async def test_a_section_that_overruns_what_is_left_is_cut_and_says_so():
     assert not await budget.run("a/stall", forever, kind="stall")
     assert finished == [] and skipped["a/stall"].startswith("budget: cut after")
     assert "stall" not in budget.took  # a cut section is no estimate for the next one
+
+
+def test_the_gpu_tests_run_from_the_repository_root(monkeypatch):
+    """`bench gpu` runs `pytest tests/test_gpu.py` in a subprocess: from the checkout's root, where
+    that path exists (it ran from ocrl/ once, where pytest finds no such file)."""
+    from ocrl.bench import gpu
+
+    ran = {}
+
+    def run(cmd, **kwargs):
+        ran.update(kwargs, cmd=cmd)
+        return subprocess.CompletedProcess(cmd, 0, stdout="3 passed, 1 skipped in 9.0s", stderr="")
+
+    monkeypatch.setattr(gpu.subprocess, "run", run)
+    result = gpu.gpu_tests(timeout=60)
+    assert Path(ran["cwd"]) == ROOT and (Path(ran["cwd"]) / ran["cmd"][-1]).is_file()
+    assert (result["rc"], result["passed"], result["skipped"]) == (0, 3, 1)

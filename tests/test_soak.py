@@ -40,3 +40,18 @@ async def test_soak_fails_nothing_grows_little_and_accounts_for_every_sample(tmp
     assert stats["sessions"]["sessions_open"] == 0  # every session ended
     assert max(n for _, n in report.fds) >= fds_before + SESSIONS // 2  # the count saw the connections
     assert fds_after <= fds_before + 4
+
+
+def test_a_benchmark_daemon_takes_a_free_port_unless_one_is_given():
+    import socket
+
+    from ocrl.bench.serving import DEFAULT_PORT, on_free_port
+    from ocrl.config import Config
+
+    first, second = on_free_port(Config(), no_train=True), on_free_port(Config())
+    # not the fixed port two benchmarks at once used to share, and nothing listens on it
+    assert DEFAULT_PORT not in (first.port, second.port) and first.no_train
+    for config in (first, second):
+        with socket.socket() as sock:
+            sock.bind((config.host, config.port))
+    assert on_free_port(Config(port=31234)).port == 31234  # --port is kept

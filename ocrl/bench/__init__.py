@@ -33,7 +33,7 @@ import msgspec
 from ocrl import chat
 from ocrl.bench import agent as bench_agent
 from ocrl.bench.prompts import PROMPTS
-from ocrl.bench.serving import serving
+from ocrl.bench.serving import on_free_port, serving
 from ocrl.bench.train import bench_train
 from ocrl.types import Message, SamplingParams
 
@@ -114,7 +114,7 @@ async def bench_serve(config, repeats: int, max_tokens: int) -> None:
 
     from ocrl.daemon import Daemon, setup_logging
 
-    config = msgspec.structs.replace(config, no_train=True, port=config.port if config.port != 30000 else 30999, prm_mode="embed")
+    config = on_free_port(config, no_train=True, prm_mode="embed")
     daemon = Daemon(config)
     await daemon.build()
     engine, tokenizer = daemon.engine, daemon.loaded.tokenizer
@@ -176,7 +176,7 @@ async def bench_soak(config, *, sessions: int, seconds: float, max_tokens: int) 
     from ocrl.bench import soak
     from ocrl.daemon import Daemon
 
-    config = msgspec.structs.replace(config, port=config.port if config.port != 30000 else 30998)
+    config = on_free_port(config)
     daemon = Daemon(config)
     await daemon.build()
     async with serving(daemon) as url:
@@ -234,7 +234,7 @@ async def bench_refuse(config, repeats: int, modes: tuple[str, ...] = REFUSE_MOD
     from ocrl.bodies import DECODE_OFF_LOOP_ABOVE
     from ocrl.daemon import Daemon
 
-    config = msgspec.structs.replace(config, port=config.port if config.port != 30000 else 30997, no_train=True)
+    config = on_free_port(config, no_train=True)
     daemon = Daemon(config)
     await daemon.build()
     huge = msgspec.json.encode({"messages": [{"role": "user", "content": "word " * 1_580_000}], "max_tokens": 2})

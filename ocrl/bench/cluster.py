@@ -18,7 +18,7 @@ import anyio
 import msgspec
 
 from ocrl.bench.prompts import PROMPTS
-from ocrl.bench.serving import serving
+from ocrl.bench.serving import DEFAULT_PORT, free_port, serving
 
 
 async def measure(config, repeats: int, max_tokens: int, burst: int) -> dict:
@@ -94,10 +94,11 @@ async def bench_replicas(config, repeats: int, max_tokens: int) -> None:
 
     burst = 8 * n
     # single-turn requests: no votes, so no judge model to load
-    base = msgspec.structs.replace(config, no_train=True, prm_mode="generate", port=config.port if config.port != 30000 else 30999)
+    base = msgspec.structs.replace(config, no_train=True, prm_mode="generate")
     rows = {}
     for label, replicas in (("in-process", 0), ("1 replica", 1), (f"{n} replicas", n)):
-        rows[label] = await measure(msgspec.structs.replace(base, replicas=replicas, port=base.port + replicas), repeats, max_tokens, burst)
+        port = config.port + replicas if config.port != DEFAULT_PORT else free_port(config.host)  # a daemon each
+        rows[label] = await measure(msgspec.structs.replace(base, replicas=replicas, port=port), repeats, max_tokens, burst)
     ray.shutdown()
     one = rows["1 replica"]
     print(f"bench serve --replicas {n}: {config.model}{' ' + config.random_init if config.random_init else ''}, greedy, "

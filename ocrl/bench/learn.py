@@ -18,7 +18,7 @@ import anyio
 import msgspec
 
 from ocrl.bench import simulate
-from ocrl.bench.serving import serving
+from ocrl.bench.serving import on_free_port, serving
 
 log = logging.getLogger("ocrl.bench.learn")
 
@@ -201,7 +201,7 @@ async def learn_once(
 
     from ocrl.daemon import Daemon
 
-    config = msgspec.structs.replace(config, no_train=False, port=config.port if config.port != 30000 else 30998)
+    config = on_free_port(config, no_train=False)
     daemon = Daemon(config)
     await daemon.build()
     run_dir = daemon.run_dir

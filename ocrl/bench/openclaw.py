@@ -32,10 +32,9 @@ from collections import Counter
 from pathlib import Path
 
 import anyio
-import msgspec
 
 from ocrl import chat, openclaw
-from ocrl.bench.serving import serving
+from ocrl.bench.serving import on_free_port, serving
 
 MIN_NODE = (24, 16)
 # Two steps: openclaw's own install script refuses an older system node, so node 24 comes first and
@@ -229,7 +228,7 @@ async def bench_openclaw(config, args) -> int:
     except Refused as e:
         print(f"bench openclaw: not run: {e}")
         return 2
-    config = msgspec.structs.replace(config, port=config.port if config.port != 30000 else 30997)
+    config = on_free_port(config)
     daemon = Daemon(config)
     await daemon.build()
     recorder = Recorder(daemon.api, daemon.run_dir / "openclaw-requests.jsonl")
