@@ -134,7 +134,6 @@ class Daemon:
                 restored = self.trainer.load_latest()
                 log.info("resumed from %s", restored) if restored else log.info("--resume: no checkpoint yet")
         self.events.publish(Progress(task="loading model", done=3, total=3))
-        self.api = Api(config, self.engine, loaded.tokenizer, self.sessions, stats=self.stats, events=self.events, control=self)
         self._requeue_backlog()
         # then the turns that had no sample yet: judged again, or waiting for their next state
         restored = restore(self.sessions, self.records.main_turns(), self.records.next_states(), self.records.journaled())
@@ -144,6 +143,8 @@ class Daemon:
                 "%d excluded (text not recorded)", restored["sessions"], restored["rejudged"], restored["open"], restored["excluded_without_text"],
             )
         self.restored = dict(restored)
+        # last: an Api is what says the daemon is built (a dashboard then reads every stats field)
+        self.api = Api(config, self.engine, loaded.tokenizer, self.sessions, stats=self.stats, events=self.events, control=self)
 
     async def _build_judge(self, loaded):
         from ocrl.judge.embed import EmbedJudge
@@ -277,6 +278,7 @@ class Daemon:
                 replicas=None if replicas is None else [
                     strict(ReplicaStats, {**r, "prefix_cache": strict(PrefixCacheStats, r["prefix_cache"])}) for r in replicas
                 ],
+                mixed_completions=getattr(engine, "mixed_completions", None),  # the engines that can mix versions
             ),  # fmt: skip
             memory=strict(MemoryStats, {"rss_mb": memory.rss_mb(), **memory.heap(), "open_fds": memory.open_fds(), **self.trimmer.stats()}),
             requests=strict(RequestStats, self.api.request_log.stats()),

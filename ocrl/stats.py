@@ -61,6 +61,7 @@ class EngineStats(msgspec.Struct, kw_only=True, omit_defaults=True):
     generated_tokens: int
     prefix_cache: PrefixCacheStats | None = None  # engines that keep one
     replicas: list[ReplicaStats] | None = None  # --replicas
+    mixed_completions: int | None = None  # sglang, full-weight swaps: completions that spanned a swap
 
 
 class MemoryStats(msgspec.Struct, kw_only=True, omit_defaults=True):

@@ -81,3 +81,27 @@ async def test_a_snapshot_of_the_wrong_shape_is_an_error_not_zeros():
         assert "main_turns" in status.error
         assert app.query_one(SessionsPanel).counters.main_turns == 0  # nothing shown from it
     assert read(SNAPSHOT).sessions.main_turns == 4
+
+
+async def test_a_daemon_is_readable_from_the_moment_its_api_exists(tmp_path):
+    """The dashboard (tui/sources.py) takes `daemon.api` as "built" and reads the whole snapshot
+    from then on: every field must be set by then (the journal backlog and the restored sessions
+    once came after it). And an engine that can mix weight versions has them counted."""
+    from ocrl.config import Config
+    from ocrl.daemon import Daemon
+
+    seen = []
+
+    class Watched(Daemon):
+        def __setattr__(self, name, value):
+            super().__setattr__(name, value)
+            if name == "api" and value is not None:
+                seen.append(self.stats())  # what a dashboard poll at this moment gets
+
+    daemon = Watched(Config(random_init="tiny", no_train=True, record_dir=str(tmp_path / "run"), prm_mode="generate", threads=1))
+    await daemon.build()
+    [first] = seen
+    assert first.samples.journal_backlog_at_start == 0 and first.samples.restored_at_start.sessions == 0
+    assert first.engine.mixed_completions is None  # the transformers engine swaps between batches: never mixes
+    daemon.engine.mixed_completions = 2  # as the SGLang engine counts them
+    assert daemon.stats().engine.mixed_completions == 2
