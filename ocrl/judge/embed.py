@@ -43,18 +43,53 @@ CLASS_NAMES = {1: "positive", -1: "correction", 0: "neutral"}
 ROLES = ("user", "tool")  # anything that is not the user is read as tool output
 
 # Cheap evidence of a failed tool call: a feature of the head, and a tool message that shows one
-# is never scored +1 (an error read as success would train the policy the wrong way).
-_TOOL_FAILURE = re.compile(
-    r"Traceback \(most recent call last\)"
-    r"|\b\w*(?:Error|Exception)\b|\w+Timeout\b|\bCrashLoopBackOff\b|\bOOMKilled\b"
-    r"|(?<!\b0 )(?<!\bno )\b(?i:errors?|err!)(?![\w-]|\.\w)(?!\"?\s*:\s*(?:null|\[\]|\{\}|\"\"|false|0\b))"
-    r"|(?i:\b(?:exit(?:ed)?(?: with)?(?: code| status)?|non-zero exit status)\s*:?\s*[1-9])"
-    r"|(?i:\bcommand not found\b|no such file or directory|permission denied|access denied|segmentation fault)"
-    r"|\bfatal:|\bpanic:|\bFAILED\b|\bKilled\b|\b[1-9]\d* failed\b"
-    r"|(?i:(?<!\b0 )\bfailed\b|\btimed out\b|\btimeout (?:after|for|error|exceeded|expired)\b|\bconflicts?\b|\bnot found\b|\bdenied\b|\brefused\b|\bunable to\b|\bcould not\b"
-    r"|\bcannot\b|\binvalid\b|\bunknown (?:command|option)\b|\bexceeded\b|\bno space left\b|\bunavailable\b)"
-    r"|(?m:^\s*(?:HTTP/[\d.]+\s+)?[45]\d\d\s*[-:]?\s*[A-Z])"
+# is never scored +1 (an error read as success would train the policy the wrong way). Written
+# from the kinds of failure that tools print, by ecosystem, not from any case a judge missed:
+_FAILURE_CUES = (
+    # runtimes: exception names, tracebacks and stack frames (Python, Java, Node), panics (Go, Rust)
+    r"Traceback \(most recent call last\)|(?<!\b0 )\b\w*(?:Error|Exception)\b|\w+Timeout\b"
+    r"|\bpanic:|\bpanicked\b|\bgoroutine \d+ \[|(?m:^\s+at [\w$.<>]+ ?\(.*:\d+\)?\)?\s*$)",
+    # words that report a failure, and exit codes
+    r"(?<!\b0 )(?<!\bno )\b(?i:errors?|err!)(?![\w-]|\.\w)(?!\"?\s*:\s*(?:null|\[\]|\{\}|\"\"|false|0\b))"
+    r"|(?i:\b(?:exit(?:ed)?(?: with)?(?: code| status)?|non-zero exit status|returned non-zero(?: exit)?(?: status)?)\s*:?\s*[1-9])"
+    r"|(?i:\b(?:rc|exit_?code|return_?code|returncode)\s*[=:]\s*[1-9])"
+    r"|\bfatal:|\bFATAL\b|\bFAILED\b|\bFAILURE\b|\bKilled\b|\b[1-9]\d* failed\b|\bCrashLoopBackOff\b|\bOOMKilled\b"
+    r"|(?i:(?<!\b0 )\bfailed\b|(?<!\b0 )(?<!\bno )\bfailures?\b|\baborted\b|\bcrashed\b|\brejected\b|\bdeclined\b|\binsufficient\b|\bgiving up\b|\bgave up\b|\bunable to\b"
+    r"|\bcould not\b|\bcouldn't\b|\bcannot\b|\bcan't\b|\binvalid\b|\bunknown (?:command|option|host|user)\b|\bunsupported\b)"
+    r"|(?i:\bsegmentation fault\b|\bcore dumped\b|\bno space left\b|\bno free space\b|\bout of memory\b|\bunavailable\b|\bmismatch\b"
+    r"|\bunrecognized\b|\bunresolved\b|\bunexpected\b|\brolled back\b|\brevoked\b|\brestricted\b|\bread-only\b|\bview-only\b|(?<!\b0 )(?<!\bno )\bbroke(?:n)?\b"
+    r"|\b(?:is|are) required\b|\balready (?:taken|booked|in use)\b|\bis not (?:a )?(?:valid|real|defined|supported)\b"
+    r"|\b(?:was|were) not (?:sent|saved|added|created|written|delivered|applied|published|uploaded|deleted|updated|imported|copied|moved)\b"
+    r"|\bnothing was (?:sent|saved|added|created|written|delivered|imported|copied|moved)\b|\bonly (?:the )?(?:\w+ ){0,2}(?:owners?|admins?|administrators?|members?) can\b)"
+    r"|\bFAIL\b|\bSSL_ERROR_\w+|(?m:^\S+\.go:\d+:\d+: )",
+    # build tools: make's "***" lines, cargo/rustc/tsc/gcc error codes, a failed build
+    r"(?m:^\s*(?:g?make|ninja)(?:\[\d+\])?: \*\*\*)|\berror\[E\d+\]|\berror TS\d+|(?i:\bbuild failed\b|\bcompilation terminated\b)",
+    # not found, missing
+    r"(?i:\bcommand not found\b|\bno such\b|\bnot found\b|\bdoes ?n[o']t exist\b|\bno longer exists\b|\bnot recognized as\b)",
+    # permission and authentication
+    r"(?i:\bpermission denied\b|\baccess (?:is )?denied\b|\bdenied\b|\bforbidden\b|\bunauthori[sz]ed\b|\bnot (?:allowed|permitted|authori[sz]ed)\b"
+    r"|\b(?:need|needs|require|requires|don't have|do not have|doesn't have|does not have|lack|lacks|insufficient|missing)"
+    r" (?:the |an? )?(?:\w+ )?(?:permissions?|access|rights|privileges?|roles?|scopes?)\b"
+    r"|\bauthentication (?:failed|required)\b|\bauthenticationfailed\b|\blogin required\b|\bsession (?:has )?expired\b|\btoken (?:has )?expired\b)"
+    r"|\bE(?:ACCES|PERM|NOENT|EXIST|ISDIR|NOTDIR|ROFS|NOSPC|MFILE|CONNREFUSED|CONNRESET|CONNABORTED|TIMEDOUT|HOSTUNREACH|NETUNREACH|NOTFOUND|AI_AGAIN|PIPE|ADDRINUSE)\b",
+    # network: refused/reset connections, DNS, TLS
+    r"(?i:\brefused\b|\breset by peer\b|\bconnection (?:reset|closed|aborted|lost)\b|\bbroken pipe\b|\bunreachable\b|\bno route to host\b"
+    r"|\bnxdomain\b|\bservfail\b|\bname or service not known\b|\bname resolution\b|\bcould not resolve\b"
+    r"|\bcertificate (?:has )?expired\b|\bself[- ]signed certificate\b|\bcertificate problem\b|\bunknown authority\b|\bhandshake (?:failure|failed)\b)",
+    # quotas, rate limits, timeouts
+    r"(?i:\bexceeded\b|\brate[- _]?limited\b|\brate[- _]?limit (?:reached|hit)\b|\btoo many requests\b|\bthrottl(?:ed|ing)\b|\bquota\b[^.\n]{0,30}\b(?:reached|full|used up)\b"
+    r"|\blimit (?:reached|hit)\b|\btry again (?:later|in)\b|\btimed out\b|\btimeout (?:after|for|error|exceeded|expired)\b"
+    r"|\bdid not (?:finish|complete|respond|return)\b|\bno response from\b|\bwithout (?:a )?response\b|(?<!\b0 )(?<!\bno )\bconflicts?\b)",
+    # protocols: HTTP status lines and reason phrases, status fields, SMTP replies with enhanced codes, IMAP NO/BAD
+    r"(?m:^\s*(?:HTTP/[\d.]+\s+|SMTP\s+)?[45]\d\d\s*[-:]?\s*[A-Z])|\bHTTP/[\d.]+ [45]\d\d\b|\b[45]\d\d[ -][45]\.\d{1,3}\.\d{1,3}\b"
+    r"|\b(?:Bad Request|Payment Required|Method Not Allowed|Not Acceptable|Request Timeout|Precondition Failed|Payload Too Large"
+    r"|Unsupported Media Type|Unprocessable (?:Entity|Content)|Too Many Requests|Internal Server Error|Not Implemented|Bad Gateway"
+    r"|Service Unavailable|Gateway Timeout)\b"
+    r"|(?i:\b(?:status(?:[ _]?code)?|http[ _]?status|code)\"?\s*[=:]?\s*\"?[45]\d\d\b)|(?i:\"(?:ok|success|succeeded)\"\s*:\s*false)"
+    r"|\bHTTP:? [45]\d\d\b|(?m:^\w+ (?:NO|BAD) |^-ERR\b)",
 )
+_TOOL_FAILURE = re.compile("|".join(f"(?:{cue})" for cue in _FAILURE_CUES))
+
 
 def tool_failure(text: str) -> str | None:
     """The first sign of a failed tool call in its output, or None."""
@@ -200,7 +235,7 @@ class HeadSettings(msgspec.Struct, frozen=True):
     lr: float = 0.05
     buckets: int = 4096  # hashed n-gram buckets (0: no lexical features)
     lexical_scale: float = 3.0
-    feature_version: int = 3  # bump when `features` changes
+    feature_version: int = 4  # bump when `features` or `tool_failure` (a feature) changes
 
     def features(self, encode: Callable[[Sequence[str]], torch.Tensor], states: Sequence[tuple[str, str]]) -> torch.Tensor:
         return features(encode, states, buckets=self.buckets, lexical_scale=self.lexical_scale)
