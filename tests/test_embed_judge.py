@@ -115,15 +115,57 @@ def test_a_tool_failure_is_never_scored_plus_one():
 def test_shipped_fit_data_and_held_out_cases_are_valid_and_disjoint():
     fit = load_fit_cases()
     held = load_cases(DATA / "judge_heldout.jsonl")
+    fresh = load_cases(DATA / "judge_heldout_2.jsonl")
     reported = load_cases(DATA / "prm_cases.jsonl")
-    assert len(fit) + len(held) >= 400 and len(held) >= 150
-    for case in [*fit, *held]:
+    assert len(fit) + len(held) >= 400 and len(held) >= 150 and len(fresh) >= 120
+    for case in [*fit, *held, *fresh]:
         assert case.role in ("user", "tool") and case.expected in (1, -1, 0)
     fitted = {case.next_state for case in fit}
     assert not fitted & {case.next_state for case in held}
+    assert not fitted & {case.next_state for case in fresh}
     assert not fitted & {case.next_state for case in reported}
-    assert {"tool_ok", "tool_error", "tool_neutral", "thanks", "approval", "next_task", "correction", "redo", "change_request",
-            "complaint", "off_topic", "ambiguous"} <= {case.kind for case in held}
+    # the two held-out sets share one line ("👀"), written into the second one by accident; both are
+    # held out, so that leaks nothing into the fit
+    assert len({case.next_state for case in held} & {case.next_state for case in fresh}) <= 1
+    kinds = {"tool_ok", "tool_error", "tool_neutral", "thanks", "approval", "next_task", "correction", "redo", "change_request",
+             "complaint", "off_topic", "ambiguous"}
+    assert kinds <= {case.kind for case in held} and kinds <= {case.kind for case in fresh}
+
+
+def test_failure_cues_by_kind_of_tool_output():
+    # one cue per kind of failure a tool prints, and the same ecosystems' success lines without one
+    failures = [
+        "thread 'worker' panicked at src/lib.rs:3:5:\nattempt to divide by zero",  # Rust
+        "goroutine 1 [running]:\nmain.main()",  # Go
+        "    at handler (/srv/app.js:12:7)",  # Node stack frame
+        "make[1]: *** [Makefile:9: all] Error 2",  # make
+        "421 4.7.0 Try again later, closing connection.",  # SMTP with an enhanced status code
+        "A3 NO [ALERT] Mailbox is full",  # IMAP
+        "-ERR no such message",  # POP3
+        "HTTP/2 503",
+        "{\"ok\": false}",
+        "getaddrinfo ENOTFOUND db.local",  # DNS
+        "x509: certificate signed by unknown authority",  # TLS
+        "You need edit rights to change this",  # permission
+        "Only the owner can delete this calendar.",
+        "API rate limit reached",
+        "The job was cancelled without a response.",
+    ]
+    for text in failures:
+        assert embed_judge.tool_failure(text) is not None, text
+    successes = [
+        "test result: ok. 3 passed; 0 failed",
+        "250 2.1.0 Sender OK",
+        "A1 OK LOGIN completed",
+        "HTTP/2 201",
+        "{\"ok\": true}",
+        "Rate limit: 4,900 of 5,000 requests remaining",
+        "SSL certificate verify ok.",
+        "Validation passed: 0 errors, 0 warnings",
+        "Updated to 5.1.1",
+    ]
+    for text in successes:
+        assert embed_judge.tool_failure(text) is None, text
 
 
 @pytest.fixture(scope="module")
@@ -141,7 +183,20 @@ async def test_held_out_accuracy_floor(judge):
     # 149/180 = 0.828 with one head for both roles, 154/180 = 0.856 with role-specific features,
     # 167/180 = 0.928 with hashed word and character n-grams beside the embeddings and 242 more
     # fit cases written from the kinds' descriptions (features and settings chosen by
-    # cross-validation on the fit data only; this set was scored once per candidate, 3 in all).
-    # 2 tool errors without a failure cue word are still scored +1.
-    assert report["accuracy"] >= 0.92, report["misses"]
-    assert report["confusion"][-1][1] <= 2, report["misses"]
+    # cross-validation on the fit data only; this set was scored once per candidate, 4 in all),
+    # 168/180 = 0.933 with failure cues and 287 fit cases written by kind of tool output (its
+    # two misses scored +1 were known when those were written: this set is no longer blind to
+    # that change; `judge_heldout_2.jsonl` is). 1 change request is scored +1; no tool error.
+    assert report["accuracy"] >= 0.93, report["misses"]
+    assert report["confusion"][-1][1] <= 1, report["misses"]
+
+
+async def test_second_held_out_accuracy_floor(judge):
+    cases = load_cases(DATA / "judge_heldout_2.jsonl")
+    report = await evaluate(judge, cases)
+    # Written and committed before the judge's fourth candidate (failure cues by kind, 287 fit
+    # cases) was scored on it, and scored once: 193/210 = 0.919 (the third candidate, scored
+    # after, also 193/210, with 2 tool errors scored +1). No correction, redo or error is
+    # scored +1. The judge was not changed after its misses here were seen.
+    assert report["accuracy"] >= 0.915, report["misses"]
+    assert report["confusion"][-1][1] == 0, report["misses"]
