@@ -34,7 +34,7 @@ from ocrl.restore import restore
 from ocrl.sessions import Sessions
 from ocrl.stats import (
     EngineStats, MemoryStats, PrefixCacheStats, ReplicaStats, RequestStats, RestoredStats, SampleStats, SessionStats, Stats,
-    StorageStats, TrainingStats, strict,
+    StorageStats, TrainerActorStats, TrainingStats, strict,
 )  # fmt: skip
 from ocrl.types import Progress, SamplingParams
 
@@ -120,7 +120,15 @@ class Daemon:
             distill=self._build_distill(loaded),
             clients=ClientRules.from_config(config),
         )
-        if not config.no_train:
+        if not config.no_train and config.replicas:  # the trainer as one more Ray actor
+            from ocrl.cluster.remote_trainer import RemoteTrainer
+            from ocrl.train.policy import verify_relative, verify_tolerance
+
+            self.trainer = await RemoteTrainer.start(
+                config, self.engine, records=self.records, events=self.events,
+                verify_atol=verify_tolerance(loaded.model), verify_rtol=verify_relative(loaded.model),
+            )
+        elif not config.no_train:
             from ocrl.train.policy import train_device, verify_relative, verify_tolerance
             from ocrl.train.trainer import Trainer
 
@@ -328,6 +336,7 @@ class Daemon:
             consumed_samples=trainer.consumed_samples,
             excluded_too_long=trainer.excluded_too_long,
             last=msgspec.to_builtins(trainer.last_metrics),
+            actor=strict(TrainerActorStats, trainer.stats()) if self.config.replicas else None,
         )
 
     # 3. serve until a signal, then shut down in order

@@ -148,6 +148,20 @@ class SampleStats(msgspec.Struct, kw_only=True):
     restored_at_start: RestoredStats = msgspec.field(default_factory=RestoredStats)
 
 
+class TrainerActorStats(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """--replicas: the trainer's Ray actor, as the daemon last saw it."""
+
+    name: str
+    up: bool
+    incarnation: int  # changes when Ray restarts it
+    pid: int | None
+    restarts: int  # restarts the daemon restored it from (each from the newest checkpoint)
+    restored_step: int  # the step the current incarnation started from
+    device: str = ""
+    rss_mb: float | None = None
+    last_error: str = ""
+
+
 class TrainingStats(msgspec.Struct, kw_only=True):
     enabled: bool = False  # False: --no-train, and every other field keeps its default
     method: str = ""
@@ -159,6 +173,7 @@ class TrainingStats(msgspec.Struct, kw_only=True):
     consumed_samples: int = 0
     excluded_too_long: int = 0  # samples left out: their backward would not fit in the memory free (consumed.jsonl says too_long)
     last: dict[str, float | None] = {}  # the last step's metrics row (an infinite value is null in JSON)
+    actor: TrainerActorStats | None = None  # --replicas: the trainer's Ray actor
 
 
 class Stats(msgspec.Struct, kw_only=True):

@@ -5,7 +5,8 @@ session affinity, trained versions reaching both replicas (probe verified on eac
 replica killed with ray.kill mid-request: only its request fails, the other keeps serving, Ray
 restarts it and it serves the current version again; and the crash tests' accounting (every acknowledged
 main turn journaled once, trained at most once, nothing kept for a failed request) after a kill
-mid-traffic with training on.
+mid-traffic with training on. The trainer is a third actor: its steps reach both replicas, and
+when it is killed mid-traffic it resumes from the newest checkpoint with the same accounting.
 
 One cluster and one daemon for the module: Ray and two replica processes take most of the time.
 """
@@ -93,7 +94,7 @@ def local_ray():
     # Ray kills workers when the whole node nears full memory; on a box shared with other work
     # that would be someone else's memory, not the replicas' (read by the raylet ray.init starts)
     os.environ["RAY_memory_monitor_refresh_ms"] = "0"
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, namespace="ocrl")
+    ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False, namespace="ocrl")  # two replicas and the trainer
     try:
         yield remote_address()
     finally:
@@ -145,13 +146,17 @@ def train_one_step(daemon, prefix: str) -> dict:
     from openai import OpenAI
 
     client = OpenAI(base_url=daemon.url + "/v1", api_key=API_KEY, max_retries=0)
-    steps = daemon.stats()["training"]["steps"]
+    from test_crash import rows
+
+    recorded = len(rows(daemon.record_dir / "metrics.jsonl"))
     for i in range(5):  # two main turns each, the first judged by the second: a batch of 4 and more
         messages = [{"role": "user", "content": f"question {i}"}]
         r = chat(client, messages, f"{prefix}{i}", max_tokens=4)
         messages += [{"role": "assistant", "content": r.choices[0].message.content}, {"role": "user", "content": "ok [votes: 1]"}]
         chat(client, messages, f"{prefix}{i}", max_tokens=4)
-    return wait_until(lambda: (s := daemon.stats())["training"]["steps"] > steps and s, 120, "a training step")
+    # the step's metrics row is written last: by then it is published, verified and recorded
+    wait_until(lambda: len(rows(daemon.record_dir / "metrics.jsonl")) > recorded, 120, "a training step")
+    return daemon.stats()
 
 
 def test_lora_adapters_reach_every_replica_through_the_object_store(tmp_path_factory, scripted_judge, local_ray):
@@ -199,10 +204,18 @@ def test_a_sessions_turns_stay_on_its_replica_and_new_sessions_spread(cluster):
     assert routed == [2, 2]  # one session each (least load), both turns on it (affinity)
 
 
+def trainer_actor(daemon):
+    return ray.get_actor(f"ocrl-{daemon.port}-trainer", namespace="ocrl")
+
+
 def test_trained_versions_reach_every_replica_and_verify(cluster):
     stats = train_one_step(cluster, "v")
     version = stats["weights_version"]
     assert version == stats["training"]["steps"] >= 1
+    # the steps ran in the trainer's actor, a process of its own, not in the daemon
+    actor = ray.get(trainer_actor(cluster).status.remote())
+    assert actor["steps"] == stats["training"]["steps"] and actor["pid"] != cluster.proc.pid
+    assert stats["training"]["actor"]["up"] and stats["training"]["actor"]["restarts"] == 0
     assert stats["training"]["last"]["verified"] == 1.0  # the probe agreed on every replica
     wait_until(lambda: all(r["weights_version"] == version for r in replicas(cluster)), 10, "every replica at the version")
     assert all(r["probe_diff"] <= 1e-3 for r in replicas(cluster))
@@ -342,3 +355,81 @@ def test_a_replica_killed_mid_traffic_loses_no_sample_and_trains_none_twice(clus
     metrics = rows(cluster.record_dir / "metrics.jsonl")
     assert metrics and all(m["verified"] == 1.0 for m in metrics)  # every swap verified on the replicas that took it
     assert httpx.get(cluster.url + "/healthz").status_code == 200
+
+
+def test_a_killed_trainer_actor_resumes_from_its_newest_checkpoint(cluster):
+    """ray.kill of the trainer actor mid-traffic, one step after its newest checkpoint: Ray
+    restarts it, it resumes from that checkpoint (the step count goes on from it), the samples
+    of the lost step are trained again once, the replicas' versions never go backwards, and the
+    crash tests' accounting holds: every acknowledged main turn journaled once, trained at most
+    once, none lost, every swap verified."""
+    from openai import OpenAI
+    from test_crash import rows, standing_consumed
+
+    saved = httpx.post(cluster.url + "/v1/ocrl/checkpoint", headers={"Authorization": f"Bearer {API_KEY}"}).json()["checkpoint"]
+    newest = int(saved.rsplit("-", 1)[1])
+    lost = train_one_step(cluster, "u")  # one step past the checkpoint: lost with the actor
+    assert lost["training"]["steps"] > newest
+    lost_ids = wait_until(lambda: {i for i, step in standing_consumed(cluster.record_dir) if step and step > newest}, 30, "the step recorded")
+    victim = lost["training"]["actor"]
+
+    client = OpenAI(base_url=cluster.url + "/v1", api_key=API_KEY, max_retries=0)
+    sessions, turns = [f"t{i}" for i in range(4)], 3
+    acked: dict[tuple[str, int], int] = {}
+
+    def session(sid: str):
+        messages = [{"role": "user", "content": f"{sid}: what is {sid[1:]}+2?"}]
+        for turn in range(turns):
+            headers = {"X-Session-Id": sid} | ({"X-Session-Done": "1"} if turn == turns - 1 else {})
+            r = client.chat.completions.create(model="m", messages=messages, max_tokens=8, temperature=0, extra_headers=headers)
+            acked[(sid, r.ocrl["turn_index"])] = r.ocrl["weights_version"]
+            messages += [{"role": "assistant", "content": r.choices[0].message.content}, {"role": "user", "content": f"next [votes: {1 if turn % 2 else -1}]"}]
+
+    threads = [threading.Thread(target=session, args=(sid,)) for sid in sessions]
+    for t in threads:
+        t.start()
+    wait_until(lambda: len(acked) >= 2, 60, "traffic under way")
+    ray.kill(trainer_actor(cluster), no_restart=False)
+    for t in threads:
+        t.join(180)
+    assert not any(t.is_alive() for t in threads) and len(acked) == len(sessions) * turns  # serving never stopped
+    back = wait_until(lambda: (a := cluster.stats()["training"]["actor"])["restarts"] == 1 and a["up"] and a, 120, "the trainer back")
+    assert back["incarnation"] != victim["incarnation"] and back["pid"] != victim["pid"]
+    assert back["restored_step"] == newest  # the newest complete checkpoint
+    assert {"resumed_at": newest} in rows(cluster.record_dir / "consumed.jsonl")  # the lost step's marks void
+
+    mine = lambda sample_id: sample_id.split(":")[0] in sessions or sample_id.startswith("u")  # noqa: E731
+
+    def accounting() -> dict:
+        main = [t for t in rows(cluster.record_dir / "turns.jsonl") if t["turn_type"] == "main" and mine(t["session_id"])]
+        journal = Counter(r["sample_id"] for r in rows(cluster.record_dir / "journal.jsonl") if mine(r["sample_id"]))
+        consumed = [(i, step) for i, step in standing_consumed(cluster.record_dir) if mine(i)]
+        return dict(
+            main_ids={f"{t['session_id']}:{t['session_uid']}:{t['index']}" for t in main}, journal=journal,
+            consumed={i for i, _ in consumed}, trained=Counter(i for i, step in consumed if step is not None),
+        )
+
+    def settled() -> bool:
+        a = accounting()
+        s = cluster.stats()
+        return a["main_ids"] <= set(a["journal"]) and s["sessions"]["judging"] == 0 and s["training"]["pending"] < 4
+
+    wait_until(settled, 180, "every turn journaled and the full batches trained")
+    a = accounting()
+    stats = cluster.stats()
+    assert a["main_ids"] == set(a["journal"]) and max(a["journal"].values()) == 1  # none missing, none twice
+    assert len(set(a["journal"]) - a["consumed"]) <= stats["training"]["pending"] < 4  # the rest waits for its batch
+    trained = Counter(i for i, step in standing_consumed(cluster.record_dir) if step is not None)
+    assert lost_ids and lost_ids <= set(trained)  # the lost step's samples, trained again
+    assert max(trained.values()) == 1  # and none twice into the surviving weights, in the whole run
+    # the step count went on from the checkpoint; versions only went up, on every replica
+    metrics = rows(cluster.record_dir / "metrics.jsonl")
+    restart = next(i for i in range(1, len(metrics)) if metrics[i]["step"] <= metrics[i - 1]["step"])
+    after = metrics[restart:]
+    assert after[0]["step"] == newest + 1 and after[0]["weights_version"] == metrics[restart - 1]["weights_version"] + 1
+    versions = [m["weights_version"] for m in metrics]
+    assert versions == sorted(versions) and len(set(versions)) == len(versions)
+    assert all(m["verified"] == 1.0 for m in metrics)  # every swap verified on the replicas
+    assert stats["training"]["steps"] == newest + len(after) and stats["weights_version"] == versions[-1]
+    wait_until(lambda: all(r["weights_version"] == versions[-1] for r in replicas(cluster)), 10, "every replica at the version")
+    assert set(acked.values()) <= set(versions) | {0}  # every completion names a version that was served

@@ -29,7 +29,8 @@ Contract:
  - `stats()` shows each replica: up or not, the version it serves, its load, memory and prefix
    cache.
 
-Not here yet: the trainer as a Ray actor, SGLang replicas, NCCL broadcast of full weights.
+The trainer runs as one more actor (cluster/remote_trainer.py). Not here yet: SGLang replicas, NCCL
+broadcast of full weights.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ AFFINITY_SHARE = 0.5  # of the prompt a replica must hold before a request follo
 MAX_RESTARTS = 8  # per replica, then Ray leaves it dead and the rest serve
 HEALTH_EVERY = 0.5  # seconds between looks at each replica
 STATUS_TIMEOUT = 5.0
+CLOSE_WAIT = 120.0  # seconds the shutdown waits for the trainer's last checkpoint before closing Ray
 NAMESPACE = "ocrl"
 
 
@@ -121,6 +123,7 @@ class Cluster:
         self.routed_by_affinity = 0
         self.retried = 0
         self.failed_by_replica = 0
+        self.users = 0  # others holding actors in this Ray session (the trainer's): Ray stays up for them
 
     @classmethod
     async def start(cls, config, loaded) -> "Cluster":
@@ -328,6 +331,9 @@ class Cluster:
                     await self.check()
         finally:
             with anyio.CancelScope(shield=True):
+                with anyio.move_on_after(CLOSE_WAIT):
+                    while self.users:  # the trainer's last checkpoint, written by its actor
+                        await anyio.sleep(0.05)
                 self.close()
 
     async def check(self) -> None:

@@ -36,6 +36,11 @@ def train_device(model) -> torch.device:
     return next(model.parameters()).device
 
 
+def trains_lora(config) -> bool:
+    """Whether the trainer trains a LoRA adapter (else the whole model)."""
+    return config.lora_rank > 0 and not config.full_finetune
+
+
 def verify_tolerance(model) -> float:
     """Largest served-vs-trainer log-prob gap on the probe that still counts as the same
     weights: an fp32 engine agrees with the fp32 trainer to ~1e-6; a 16-bit engine rounds every
@@ -101,7 +106,7 @@ class Policy:
     def __init__(self, config, model, *, device: str | torch.device = "cpu", publish_adapters: bool = False):
         self.config = config
         self.device = torch.device(device)
-        self.lora = config.lora_rank > 0 and not config.full_finetune
+        self.lora = trains_lora(config)
         self.publish_adapters = publish_adapters
         self.model, self.reference = self._build(model)
         mode = getattr(config, "gradient_checkpointing", "off")
