@@ -184,8 +184,20 @@ def test_lora_adapters_reach_every_replica_through_the_object_store(tmp_path_fac
         assert back["weights_version"] == version
         status = replica_status(daemon, 1)
         assert status["weights_version"] == version and status["last_sync"]["kind"] == "lora"
+        steps = daemon.stats()["training"]["steps"]
     finally:
-        daemon.stop()
+        assert daemon.stop() == 0
+    # the trainer actor wrote its last checkpoint before the daemon closed the cluster; --resume
+    # restores a new actor from it and republishes its adapter to both new replicas
+    assert (daemon.record_dir / "checkpoints" / f"step-{steps}" / "state.json").exists()
+    resumed = Daemon(daemon.record_dir, *daemon.flags, "--resume").start(timeout=400)
+    try:
+        wait_until(lambda: all(r["weights_version"] == version for r in replicas(resumed)), 60, "the adapter republished")
+        stats = resumed.stats()
+        assert stats["training"]["steps"] == steps and stats["training"]["actor"]["restored_step"] == steps
+        assert all(r["probe_diff"] <= 1e-3 for r in replicas(resumed))  # the restored probe verified on each
+    finally:
+        assert resumed.stop() == 0
 
 
 def test_a_sessions_turns_stay_on_its_replica_and_new_sessions_spread(cluster):
@@ -433,3 +445,14 @@ def test_a_killed_trainer_actor_resumes_from_its_newest_checkpoint(cluster):
     assert stats["training"]["steps"] == newest + len(after) and stats["weights_version"] == versions[-1]
     wait_until(lambda: all(r["weights_version"] == versions[-1] for r in replicas(cluster)), 10, "every replica at the version")
     assert set(acked.values()) <= set(versions) | {0}  # every completion names a version that was served
+
+    # killed again while idle: the watch restores it from the newest checkpoint before a step needs it
+    saved = httpx.post(cluster.url + "/v1/ocrl/checkpoint", headers={"Authorization": f"Bearer {API_KEY}"}).json()["checkpoint"]
+    newest, before = int(saved.rsplit("-", 1)[1]), cluster.stats()["training"]["actor"]
+    ray.kill(trainer_actor(cluster), no_restart=False)
+    back = wait_until(lambda: (a := cluster.stats()["training"]["actor"])["restarts"] == 2 and a["up"] and a, 120, "the trainer back again")
+    assert back["restored_step"] == newest and back["incarnation"] != before["incarnation"]
+    stats = train_one_step(cluster, "w")  # and the restored actor trains on, under the next version
+    row = rows(cluster.record_dir / "metrics.jsonl")[len(metrics)]  # the first step after the restore
+    assert row["step"] == newest + 1 and row["weights_version"] == versions[-1] + 1 and row["verified"] == 1.0
+    assert stats["training"]["actor"]["restarts"] == 2

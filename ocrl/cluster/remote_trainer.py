@@ -126,17 +126,24 @@ class RemoteTrainer(StepLoop):
 
     # -- a step, and what a lost actor costs ----------------------------------------------
 
+    async def _within_memory(self, entries: list[Pending]) -> list[Pending]:
+        kept = await super()._within_memory(entries)
+        self._left_out = {id(entry) for entry in entries} - {id(entry) for entry in kept}  # consumed as too long already
+        return kept
+
     async def _step(self, entries: list[Pending]):
+        self._left_out: set[int] = set()
         try:
             row = await super()._step(entries)
         except TrainerLost as e:
-            log.warning("trainer actor lost during a step (%s): its %d samples go back in the queue", e, len(entries))
+            back = [Pending(entry.sample) for entry in entries if id(entry) not in self._left_out]
+            log.warning("trainer actor lost during a step (%s): its %d samples go back in the queue", e, len(back))
             async with self._lock:
-                self._pending[:0] = [Pending(entry.sample) for entry in entries]
+                self._pending[:0] = back
                 await self._restore()
             return None
         if row is not None:
-            self._unsaved[self.steps] = [entry.sample for entry in entries]
+            self._unsaved[self.steps] = [entry.sample for entry in entries if id(entry) not in self._left_out]
         return row
 
     async def _restore(self) -> None:
