@@ -1,1 +1,2 @@
-"""Past one box (`--replicas N`): engine replicas as Ray actors behind one Engine (router.py)."""
+"""Past one box (`--replicas N`): engine replicas as Ray actors behind one Engine (router.py), and
+the trainer as one more actor (trainer_actor.py; its daemon side, remote_trainer.py)."""

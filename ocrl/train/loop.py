@@ -27,8 +27,8 @@ import torch
 
 from ocrl import memory
 from ocrl.faults import crash_point
-from ocrl.records import NoRecords
 from ocrl.events import NoEvents
+from ocrl.records import NoRecords
 from ocrl.train import checkpoint
 from ocrl.train.batch import probe_sample, sample_problem, split_prompt
 from ocrl.train.budget import Plan
