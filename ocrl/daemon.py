@@ -332,6 +332,7 @@ class Daemon:
             waiting_for_disk=trainer.waiting_for_disk,
             steps=trainer.steps,
             pending=trainer.pending,
+            in_step=trainer.in_step,
             batch_size=self.config.rollout_batch_size,
             consumed_samples=trainer.consumed_samples,
             excluded_too_long=trainer.excluded_too_long,

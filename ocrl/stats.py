@@ -169,6 +169,7 @@ class TrainingStats(msgspec.Struct, kw_only=True):
     waiting_for_disk: bool = False
     steps: int = 0
     pending: int = 0  # samples towards the next step
+    in_step: int = 0  # samples of the step under way (taken from the queue, not yet marked consumed)
     batch_size: int = 0
     consumed_samples: int = 0
     excluded_too_long: int = 0  # samples left out: their backward would not fit in the memory free (consumed.jsonl says too_long)

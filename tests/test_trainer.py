@@ -318,6 +318,13 @@ async def test_run_batches_pauses_records_and_checkpoints_on_exit(base, tmp_path
     trainer = Trainer(config, base, engine=make_engine(base), records=records, events=events)
     samples = make_samples(base, 5)
     send, receive = anyio.create_memory_object_stream[Sample](100)
+    seen, step = [], trainer._step
+
+    async def observed(batch):  # (in the step, still queued) while each step runs
+        seen.append((trainer.in_step, trainer.pending))
+        return await step(batch)
+
+    trainer._step = observed
     trainer.pause()
     async with anyio.create_task_group() as tasks:
         tasks.start_soon(trainer.run, receive)
@@ -333,6 +340,7 @@ async def test_run_batches_pauses_records_and_checkpoints_on_exit(base, tmp_path
     records.close()
 
     assert trainer.steps == 2 and trainer.pending == 1
+    assert seen == [(2, 2), (2, 0)] and trainer.in_step == 0  # a step's samples count as in it until it ends
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
     for row in rows:

@@ -67,6 +67,7 @@ class StepLoop:
         self._saved_step = 0
         self._lock = anyio.Lock()  # a step, a prefetch and a checkpoint never interleave
         self._pending: list[Pending] = []
+        self._in_step = 0  # samples of the step under way: out of the queue, not yet consumed
         self._paused = False
         self.waiting_for_disk = False  # steps wait while the records cannot be written
         self._wake = anyio.Event()  # for the step loop: a sample arrived, or resume
@@ -208,6 +209,10 @@ class StepLoop:
     def pending(self) -> int:
         return len(self._pending)
 
+    @property
+    def in_step(self) -> int:
+        return self._in_step
+
     def pause(self) -> None:
         """Stop taking steps; samples keep accumulating."""
         self._paused = True
@@ -265,6 +270,7 @@ class StepLoop:
                         continue
                     batch = self._pending[:size]
                     del self._pending[:size]
+                    self._in_step = len(batch)
                     try:
                         with anyio.CancelScope(shield=True):  # a step is atomic: train, swap, record
                             stepped = await self._step(batch)
@@ -272,6 +278,8 @@ class StepLoop:
                         log.exception("training step failed")
                         self.events.log("error", f"training step failed: {type(e).__name__}: {e}")
                         continue
+                    finally:
+                        self._in_step = 0
                     # the step's activations and gradients are freed: hand the pages back to the
                     # OS rather than leave them in glibc's arenas (see memory.py)
                     await anyio.to_thread.run_sync(memory.trim)
