@@ -130,6 +130,17 @@ def test_shipped_fit_data_and_held_out_cases_are_valid_and_disjoint():
     kinds = {"tool_ok", "tool_error", "tool_neutral", "thanks", "approval", "next_task", "correction", "redo", "change_request",
              "complaint", "off_topic", "ambiguous"}
     assert kinds <= {case.kind for case in held} and kinds <= {case.kind for case in fresh}
+    # the third held-out set, written blind and committed before any judge was scored on it: disjoint
+    # from the fit data and from both earlier held-out sets, every kind present
+    third = load_cases(DATA / "judge_heldout_3.jsonl")
+    assert len(third) >= 240
+    for case in third:
+        assert case.role in ("user", "tool") and case.expected in (1, -1, 0)
+    blind = {case.next_state for case in third}
+    assert not fitted & blind
+    assert not blind & {case.next_state for case in held} and not blind & {case.next_state for case in fresh}
+    assert not blind & {case.next_state for case in reported}
+    assert kinds <= {case.kind for case in third}
 
 
 def test_failure_cues_by_kind_of_tool_output():
