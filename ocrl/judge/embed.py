@@ -308,6 +308,19 @@ def load_or_fit_head(
     return weight, bias
 
 
+def decide(probs: dict[int, float], next_state: str, role: str, *, margin: float = 0.03) -> tuple[int, str | None]:
+    """The score from the head's class probabilities, and the rule that kept +1 away (or None).
+    The best class wins when it leads the runner-up by at least `margin`, else 0; tool output
+    with a failure sign (`tool_failure`) is never +1."""
+    rule = tool_failure(next_state) if role != "user" else None
+    ranked = sorted(LABELS, key=probs.__getitem__, reverse=True)
+    if rule is not None and ranked[0] == 1:
+        ranked.remove(1)
+        ranked.append(1)
+    best, runner_up = ranked[0], ranked[1]
+    return (best if probs[best] - probs[runner_up] >= margin else 0), rule
+
+
 class EmbedJudge:
     """A learned classifier of the next state alone (the response is not read).
 
@@ -360,13 +373,7 @@ class EmbedJudge:
         if not next_state.strip():
             return Vote(score=0, text="empty next state -> 0")
         probs = self.probabilities(next_state, role)
-        rule = tool_failure(next_state) if role != "user" else None
-        ranked = sorted(LABELS, key=probs.__getitem__, reverse=True)
-        if rule is not None and ranked[0] == 1:
-            ranked.remove(1)
-            ranked.append(1)
-        best, runner_up = ranked[0], ranked[1]
-        score = best if probs[best] - probs[runner_up] >= self.margin else 0
+        score, rule = decide(probs, next_state, role, margin=self.margin)
         shown = " ".join(f"{CLASS_NAMES[label]}={probs[label]:.3f}" for label in LABELS)
         return Vote(score=score, text=f"{shown} rule={rule or '-'} -> {score}")
 
