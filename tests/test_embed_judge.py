@@ -1,5 +1,5 @@
 """The embed judge's learned head: features, a deterministic fit, the cache, the decision rule,
-and its accuracy on held-out cases it was never fitted or tuned on."""
+and its accuracy on two labelled sets it is never fitted on (dev sets now: see the floors)."""
 
 from __future__ import annotations
 
@@ -45,16 +45,50 @@ def test_units_are_the_whole_message_its_first_and_its_last_sentence():
     assert len(whole) < 120 and first == last == "x" * 50  # a long text keeps its head and its tail
 
 
-def test_features_hold_the_role_and_the_tool_failure_sign():
+def test_features_hold_the_role_and_the_tool_failure_and_pending_signs():
     encoder = HashEncoder()
-    rows = embed_judge.features(encoder, [("Traceback (most recent call last):\nKeyError: 'a'", "tool"), ("thanks", "user")], buckets=0)
-    assert rows.shape == (2, 9 * 8 + 3)
-    # [whole, first, last] (3*8), then [user, tool, failure sign]; a user message never carries
-    # the failure sign; then the embeddings again in the user's copy and in the tool's copy
-    torch.testing.assert_close(rows[:, 24:27], torch.tensor([[0.0, 1.0, 1.0], [1.0, 0.0, 0.0]]))
-    assert not rows[0, 27:51].any() and torch.equal(rows[0, 51:], rows[0, :24])  # tool row
-    assert torch.equal(rows[1, 27:51], rows[1, :24]) and not rows[1, 51:].any()  # user row
+    states = [("Traceback (most recent call last):\nKeyError: 'a'", "tool"), ("thanks", "user"), ("Job 12 queued.", "tool")]
+    rows = embed_judge.features(encoder, states, buckets=0)
+    assert rows.shape == (3, 9 * 8 + 4)
+    # [whole, first, last] (3*8), then [user, tool, failure sign, pending sign]; a user message
+    # never carries either sign; then the embeddings again in the user's copy and in the tool's copy
+    torch.testing.assert_close(rows[:, 24:28], torch.tensor([[0.0, 1.0, 1.0, 0.0], [1.0, 0.0, 0.0, 0.0], [0.0, 1.0, 0.0, 1.0]]))
+    assert not rows[0, 28:52].any() and torch.equal(rows[0, 52:], rows[0, :24])  # tool row
+    assert torch.equal(rows[1, 28:52], rows[1, :24]) and not rows[1, 52:].any()  # user row
     assert encoder.calls == 1  # one encoder call for all of them
+
+
+def test_emoji_are_spelt_out_for_the_encoder():
+    assert embed_judge.spell_emoji("👌🏽") == "ok hand sign"  # skin tone dropped
+    assert embed_judge.spell_emoji("compiles ✅") == "compiles white heavy check mark"
+    assert embed_judge.spell_emoji("👁️👁️") == "eye eye"  # variation selectors dropped
+    assert embed_judge.spell_emoji("thanks! 100% → done") == "thanks! 100% → done"  # no emoji: unchanged
+    # the encoder sees the names: two emoji differ where the raw characters are one unknown token
+    encoder = HashEncoder()
+    rows = embed_judge.features(encoder, [("🎯", "user"), ("🙄", "user")], buckets=0)
+    assert not torch.equal(rows[0, :24], rows[1, :24])
+
+
+def test_pending_cues_by_kind_of_tool_output():
+    pending = [
+        "Export queued (position 3)", "{\"status\": \"pending\"}", "Deploy in progress", "Downloading: 45%",
+        "Connecting to db.internal...", "0 results", "Empty set (0.00 sec)", "{\"items\": []}", "[]",
+        "Your report will be emailed when it's ready.",
+    ]
+    for text in pending:
+        assert embed_judge.tool_pending(text) is not None, text
+    done = ["Container web-1  Started", "found 0 vulnerabilities", "Success: no issues found in 42 source files",
+            "AAPL 189.42 USD (+1.12%)", "Applying shop.0007_add_email... OK", "3 passed in 0.12s"]
+    for text in done:
+        assert embed_judge.tool_pending(text) is None, text
+
+
+def test_edit_cues_in_user_messages():
+    for text in ["sign it 'Best, Ana'", "make it shorter", "use tabs instead", "that's not right", "in Spanish please",
+                 "still broken", "Nice, but drop the last line"]:
+        assert embed_judge.edit_cue(text) is not None, text
+    for text in ["thanks!", "perfect 👍", "ship it", "great, now make a meal plan", "next: the login page"]:
+        assert embed_judge.edit_cue(text) is None, text
 
 
 def test_lexical_features_are_hashed_n_grams_of_the_lower_cased_words():
@@ -62,7 +96,7 @@ def test_lexical_features_are_hashed_n_grams_of_the_lower_cased_words():
     assert grams == embed_judge.lexical("no,  SPANISH please", 64) and all(0 <= i < 64 for i in grams)
     assert len(grams) == 4 + 3 + sum(len(" no , spanish please ") - n + 1 for n in (3, 4, 5))  # words, bigrams, char n-grams
     rows = embed_judge.features(HashEncoder(), [("exit 0", "tool"), ("Exit 0", "user"), ("", "user")], buckets=64, lexical_scale=3.0)
-    assert rows.shape == (3, 9 * 8 + 3 + 64)
+    assert rows.shape == (3, 9 * 8 + 4 + 64)
     counts = rows[:, -64:]
     torch.testing.assert_close(counts.norm(dim=1), torch.tensor([3.0, 3.0, 0.0]))  # L2-normalised, scaled
     torch.testing.assert_close(counts[0], counts[1])
@@ -102,7 +136,7 @@ def test_head_is_fitted_once_then_read_from_the_cache(tmp_path, monkeypatch):
 
 def test_a_tool_failure_is_never_scored_plus_one():
     # A head that says +1 to everything: the failure sign still keeps tool errors off +1.
-    weight = torch.zeros(3, 9 * 8 + 3)
+    weight = torch.zeros(3, 9 * 8 + 4)
     bias = torch.tensor([5.0, 0.0, -5.0])  # positive, correction, neutral
     judge = EmbedJudge(HashEncoder(), head=(weight, bias), settings=HeadSettings(buckets=0))
     # +1 is set aside; of the rest, correction (p ~ 0.0067) leads neutral by less than the margin
@@ -110,6 +144,16 @@ def test_a_tool_failure_is_never_scored_plus_one():
     assert judge.classify("all good", "tool").score == 1
     assert judge.classify("Permission denied", "user").score == 1  # the rule reads tool output only
     assert judge.classify("   ", "tool").score == 0
+
+
+def test_a_user_edit_cue_keeps_plus_one_away_unless_the_head_is_sure():
+    probs = {1: 0.6, -1: 0.35, 0: 0.05}
+    assert embed_judge.decide(probs, "sign it 'Cheers, Sam'", "user") == (-1, "sign it")  # p(+1) < 0.7
+    assert embed_judge.decide(probs, "perfect, thanks", "user") == (1, None)  # no cue
+    assert embed_judge.decide(probs, "sign it 'Cheers, Sam'", "tool") == (1, None)  # the guard reads user messages only
+    sure = {1: 0.9, -1: 0.05, 0: 0.05}
+    assert embed_judge.decide(sure, "thanks, but no rush on the rest", "user") == (1, None)  # head sure enough
+    assert embed_judge.decide(probs, "make it shorter", "user", edit_guard=0.0) == (1, None)
 
 
 def test_shipped_fit_data_and_held_out_cases_are_valid_and_disjoint():
@@ -190,24 +234,23 @@ def judge():
 async def test_held_out_accuracy_floor(judge):
     cases = load_cases(DATA / "judge_heldout.jsonl")
     report = await evaluate(judge, cases)
-    # Cases written after the method and its fit data were frozen. The fit is deterministic:
-    # 149/180 = 0.828 with one head for both roles, 154/180 = 0.856 with role-specific features,
-    # 167/180 = 0.928 with hashed word and character n-grams beside the embeddings and 242 more
-    # fit cases written from the kinds' descriptions (features and settings chosen by
-    # cross-validation on the fit data only; this set was scored once per candidate, 4 in all),
-    # 168/180 = 0.933 with failure cues and 287 fit cases written by kind of tool output (its
-    # two misses scored +1 were known when those were written: this set is no longer blind to
-    # that change; `judge_heldout_2.jsonl` is). 1 change request is scored +1; no tool error.
-    assert report["accuracy"] >= 0.93, report["misses"]
-    assert report["confusion"][-1][1] <= 1, report["misses"]
+    # A dev set now, not a held-out one. Written after the method and its first fit data were
+    # frozen and scored once per candidate for four candidates (0.828, 0.856, 0.928, 0.933); its
+    # misses were then studied to guide the fifth candidate (emoji spelt out for the encoder, a
+    # no-outcome-yet cue for tool output, a guard on +1 for user messages with an edit cue,
+    # consistent labels for empty results, 325 fit cases written by kind), which scores
+    # 173/180 = 0.961 with no correction, redo, complaint or tool error at +1. The fit is
+    # deterministic; the blind measure of that candidate is a third set this test does not read.
+    assert report["accuracy"] >= 0.955, report["misses"]
+    assert report["confusion"][-1][1] == 0, report["misses"]
 
 
 async def test_second_held_out_accuracy_floor(judge):
     cases = load_cases(DATA / "judge_heldout_2.jsonl")
     report = await evaluate(judge, cases)
-    # Written and committed before the judge's fourth candidate (failure cues by kind, 287 fit
-    # cases) was scored on it, and scored once: 193/210 = 0.919 (the third candidate, scored
-    # after, also 193/210, with 2 tool errors scored +1). No correction, redo or error is
-    # scored +1. The judge was not changed after its misses here were seen.
-    assert report["accuracy"] >= 0.915, report["misses"]
+    # A dev set now, not a held-out one. Written before the fourth candidate and scored blind
+    # once on it (193/210 = 0.919); its misses were then studied, with the first set's, to guide
+    # the fifth candidate, which scores 200/210 = 0.952 with no correction, redo, complaint or
+    # tool error at +1.
+    assert report["accuracy"] >= 0.945, report["misses"]
     assert report["confusion"][-1][1] == 0, report["misses"]

