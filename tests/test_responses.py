@@ -178,10 +178,13 @@ async def test_openclaw_responses_mode_bodies_replay_into_one_session(daemon):
     # OpenClaw's ~2k-token system prompt, cut to its first line to keep the test short; the shapes stay
     system = {**system, "content": [{**system["content"][0], "text": system["content"][0]["text"].split("\n")[1]}]}
     async with daemon.client() as client:
-        events = [e async for e in await client.responses.create(**{**body, "input": [system, first_user], "max_output_tokens": 3})]
+        # greedy (the captured body leaves temperature unset): a sampled first turn may end before its
+        # 3 tokens or call a tool, and the test would then read a different shape
+        greedy = {"temperature": 0}
+        events = [e async for e in await client.responses.create(**{**body, **greedy, "input": [system, first_user], "max_output_tokens": 3})]
         first = events[-1].response
         ours = {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": first.output_text, "annotations": []}]}
-        events2 = [e async for e in await client.responses.create(**{**body, "input": [system, first_user, ours, second_user], "max_output_tokens": 2})]
+        events2 = [e async for e in await client.responses.create(**{**body, **greedy, "input": [system, first_user, ours, second_user], "max_output_tokens": 2})]
     assert [e.type for e in events][:2] == ["response.created", "response.in_progress"]
     assert events[-1].type == "response.incomplete" and first.incomplete_details.reason == "max_output_tokens"
     second = events2[-1].response
