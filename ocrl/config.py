@@ -33,8 +33,10 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     device: str = "auto"  # auto | cpu | cuda
     engine: Literal["auto", "hf", "sglang"] = "auto"  # auto: sglang with CUDA and the gpu extra, else hf
     # how trained weights reach an sglang engine: full = the merged weights swapped in place;
-    # lora = the adapter loaded as a new version (LoRA training only; the judge reads the base)
-    weight_sync: Literal["full", "lora"] = "full"
+    # lora = the adapter loaded as a new version (LoRA training only; the judge reads the base);
+    # broadcast (--replicas only) = full weights from the trainer actor to every replica by one
+    # torch.distributed broadcast (NCCL on CUDA, gloo on the CPU), the object store as fallback
+    weight_sync: Literal["full", "lora", "broadcast"] = "full"
     # --replicas N: N engine replicas as Ray actors (the cluster extra), requests routed with
     # session affinity; 0 = the engine in this process. --ray-address: local | auto | HOST:PORT
     replicas: int = 0

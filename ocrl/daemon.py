@@ -34,7 +34,7 @@ from ocrl.restore import restore
 from ocrl.sessions import Sessions
 from ocrl.stats import (
     EngineStats, MemoryStats, PrefixCacheStats, ReplicaStats, RequestStats, RestoredStats, SampleStats, SessionStats, Stats,
-    StorageStats, TrainerActorStats, TrainingStats, strict,
+    StorageStats, TrainerActorStats, TrainingStats, WeightSyncStats, strict,
 )  # fmt: skip
 from ocrl.types import Progress, SamplingParams
 
@@ -287,6 +287,7 @@ class Daemon:
                     strict(ReplicaStats, {**r, "prefix_cache": strict(PrefixCacheStats, r["prefix_cache"])}) for r in replicas
                 ],
                 mixed_completions=getattr(engine, "mixed_completions", None),  # the engines that can mix versions
+                weight_sync=strict(WeightSyncStats, sync) if replicas is not None and (sync := engine.weight_sync_stats()) else None,
             ),  # fmt: skip
             memory=strict(MemoryStats, {"rss_mb": memory.rss_mb(), **memory.heap(), "open_fds": memory.open_fds(), **self.trimmer.stats()}),
             requests=strict(RequestStats, self.api.request_log.stats()),

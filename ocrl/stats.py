@@ -55,6 +55,20 @@ class ReplicaStats(msgspec.Struct, kw_only=True, omit_defaults=True):
     last_error: str = ""  # why it is out of service
 
 
+class WeightSyncStats(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """--replicas --weight-sync broadcast: how trained versions reached the replicas."""
+
+    mode: str  # broadcast
+    backend: str  # nccl | gloo
+    broadcasts: int  # swaps every ready replica took by the broadcast
+    fallbacks: int  # swaps the object store carried (in part) after the group failed
+    groups: int  # groups built (the first, and one after each fallback or change of members)
+    members: int  # replicas in the standing group
+    last_broadcast_s: float | None = None  # the last swap by broadcast, seconds
+    last_object_store_s: float | None = None  # the last swap the object store carried
+    last_error: str = ""
+
+
 class EngineStats(msgspec.Struct, kw_only=True, omit_defaults=True):
     queue_depth: int
     active: int
@@ -62,6 +76,7 @@ class EngineStats(msgspec.Struct, kw_only=True, omit_defaults=True):
     prefix_cache: PrefixCacheStats | None = None  # engines that keep one
     replicas: list[ReplicaStats] | None = None  # --replicas
     mixed_completions: int | None = None  # sglang, full-weight swaps: completions that spanned a swap
+    weight_sync: WeightSyncStats | None = None  # --replicas --weight-sync broadcast
 
 
 class MemoryStats(msgspec.Struct, kw_only=True, omit_defaults=True):

@@ -82,6 +82,18 @@ def test_a_replica_merges_the_adapter_as_the_trainer_merges_it():
         merger.merged({"base_model.model.nowhere.lora_A.weight": adapter[name], "base_model.model.nowhere.lora_B.weight": adapter[name]})
 
 
+def test_broadcast_buckets_hold_one_dtype_each_under_the_limit():
+    """--weight-sync broadcast: sender and receivers cut the same manifest into the same flat
+    buckets: one dtype each, in manifest order, at most the limit unless one tensor is larger."""
+    from ocrl.cluster.collective import plan
+
+    manifest = [("a", (4, 4), "float32"), ("b", (8,), "bfloat16"), ("c", (2, 4), "float32"), ("d", (40,), "float32"), ("e", (1,), "float32")]
+    # float32: a 64 B, c 32 B, d 160 B, e 4 B; limit 100 B: [a, c] 96 B, [d] alone (over), [e]
+    names = [[name for name, _, _ in bucket] for bucket in plan(manifest, limit=100)]
+    assert names == [["a", "c"], ["d"], ["e"], ["b"]]
+    assert [[name for name, _, _ in bucket] for bucket in plan(manifest)] == [["a", "c", "d", "e"], ["b"]]
+
+
 def remote_address() -> str:
     return ray.get_runtime_context().gcs_address
 
@@ -198,6 +210,81 @@ def test_lora_adapters_reach_every_replica_through_the_object_store(tmp_path_fac
         assert all(r["probe_diff"] <= 1e-3 for r in replicas(resumed))  # the restored probe verified on each
     finally:
         assert resumed.stop() == 0
+
+
+def test_a_broadcast_that_loses_a_replica_falls_back_and_the_group_is_rebuilt(local_ray):
+    """--weight-sync broadcast, the router in this process (so the test decides when its health
+    check runs): a swap goes by gloo broadcast to both replicas; replica 1 is killed and the next
+    swap still names it (the router has not looked yet, as when a replica dies mid-swap): the
+    broadcast fails, the object store carries that version to the rest (a fallback), the group
+    is destroyed; once Ray restarted the replica and it loaded the current version, the next swap
+    builds a new group and goes by broadcast to both again. What each replica serves matches the
+    weights sent (its next-token log-probs against this process's model under them)."""
+    import anyio
+    import torch
+
+    from ocrl import models
+    from ocrl.cluster.collective import GroupMember
+    from ocrl.cluster.router import Cluster
+    from ocrl.config import Config
+
+    config = Config(random_init="tiny", replicas=2, weight_sync="broadcast", threads=1, port=30871, ray_address=local_ray)
+    loaded = models.load(random_init="tiny", device="cpu", dtype="float32")
+    base = {n: p.detach().clone() for n, p in loaded.model.named_parameters()}
+    prompt = [5, 6, 7, 8]
+    torch.manual_seed(0)
+
+    def version(v: int) -> dict:
+        tensors = {n: t + 0.02 * v * torch.randn_like(t) for n, t in base.items()}
+        with torch.no_grad():
+            for n, t in tensors.items():
+                loaded.model.get_parameter(n).copy_(t)
+        return tensors
+
+    def expected() -> torch.Tensor:
+        with torch.no_grad():
+            return loaded.model(torch.tensor([prompt])).logits[0, -1].float().log_softmax(-1)
+
+    async def scenario():
+        cluster = await Cluster.start(config, loaded)
+        try:
+            sender = ray.remote(GroupMember).options(num_cpus=0).remote()  # the trainer actor's part, alone
+            cluster.attach_trainer(sender)
+
+            async def swap(v: int):
+                tensors = version(v)
+                await sender.hold.remote(tensors)
+                await cluster.update_weights(tensors, v)
+                return [await s.handle.status.remote() for s in cluster.slots if s.ready]
+
+            statuses = await swap(1)
+            sync = cluster.weight_sync_stats()
+            assert (sync["broadcasts"], sync["fallbacks"], sync["groups"], sync["members"]) == (1, 0, 1, 2)
+            assert [(st["weights_version"], st["last_sync"]["via"]) for st in statuses] == [(1, "broadcast")] * 2
+            torch.testing.assert_close(await cluster.next_token_logprobs(prompt), expected(), atol=1e-5, rtol=0)
+
+            ray.kill(cluster.slots[1].handle, no_restart=False)  # the router's health check has not run since
+            await swap(2)
+            sync = cluster.weight_sync_stats()
+            assert sync["fallbacks"] == 1 and sync["broadcasts"] == 1 and sync["members"] == 0 and sync["last_error"]
+            assert cluster.slots[0].ready and not cluster.slots[1].ready
+            assert (await cluster.slots[0].handle.status.remote())["weights_version"] == 2
+            with anyio.fail_after(120):  # Ray restarts it; the health check loads version 2 into it
+                while not cluster.slots[1].ready:
+                    await anyio.sleep(0.5)
+                    await cluster.check()
+            assert cluster.slots[1].status["last_sync"]["via"] == "object store"
+
+            statuses = await swap(3)
+            sync = cluster.weight_sync_stats()
+            assert (sync["broadcasts"], sync["fallbacks"], sync["groups"], sync["members"]) == (2, 1, 2, 2)
+            assert [(st["weights_version"], st["last_sync"]["via"], st["group"]) for st in statuses] == [(3, "broadcast", 2)] * 2
+            assert await cluster.score(prompt, [9, 10])  # both replicas agree
+            torch.testing.assert_close(await cluster.next_token_logprobs(prompt), expected(), atol=1e-5, rtol=0)
+        finally:
+            cluster.close()
+
+    anyio.run(scenario)
 
 
 def test_a_sessions_turns_stay_on_its_replica_and_new_sessions_spread(cluster):

@@ -78,6 +78,7 @@ class RemoteTrainer(StepLoop):
         handle = ray.remote(TrainerActor).options(
             name=trainer_name(config), max_restarts=MAX_RESTARTS, max_task_retries=0, num_cpus=0 if gpus else 1, num_gpus=gpus,
         ).remote(config)  # fmt: skip
+        cluster.attach_trainer(handle)  # --weight-sync broadcast: rank 0 of the group
         trainer = cls(config, ray, handle, engine=cluster, records=records, events=events, verify_atol=verify_atol, verify_rtol=verify_rtol)
         try:
             async with trainer._lock:

@@ -11,8 +11,10 @@ Contract:
    arrives before that fails with `NotLoaded` (the router routes around it).
  - `--weight-sync lora`: what `load` and `update_weights` receive is the trainer's LoRA adapter
    (only lora_A and lora_B cross the object store); the replica merges it into its base weights
-   itself (cluster/adapters.py) before its engine swaps them in. `status()["last_sync"]` says what
-   the last swap received (kind, tensors, bytes).
+   itself (cluster/adapters.py) before its engine swaps them in. `--weight-sync broadcast`:
+   `receive_weights(manifest, version)` takes the full weights from the trainer actor's broadcast
+   (cluster/collective.py) instead of the object store. `status()["last_sync"]` says what the
+   last swap received (kind, tensors, bytes, and `via`: object store or broadcast).
  - `stream` is a streaming generator of the engine's own chunks (`TokenChunk`, the last a
    `Final` that carries the weights version this replica served it with); `update_weights`,
    `score`, `next_token_logprobs` and `prepare` are the engine's, unchanged.
@@ -29,6 +31,7 @@ import os
 import time
 import uuid
 
+from ocrl.cluster.collective import GroupMember, Manifest
 from ocrl.engine.base import EngineError
 
 
@@ -48,7 +51,7 @@ def peak_rss_mb() -> float | None:
     return None
 
 
-class Replica:
+class Replica(GroupMember):
     """Wrapped by `ray.remote` in router.py (this module imports no Ray, so it loads without the extra)."""
 
     def __init__(self, config, index: int):
@@ -88,7 +91,7 @@ class Replica:
         if self.loaded_version is None:
             raise NotLoaded(f"replica {self.index} has not loaded the current weights yet")
 
-    def _received(self, named_tensors: dict) -> dict:
+    def _received(self, named_tensors: dict, via: str = "object store") -> dict:
         """What the engine takes: the tensors as sent, or (--weight-sync lora) the layers the
         adapter names, merged into their base weights."""
         from ocrl.cluster.adapters import is_adapter
@@ -98,7 +101,7 @@ class Replica:
             raise EngineError("a LoRA adapter sent to a replica started without --weight-sync lora")
         self.last_sync = {
             "kind": "lora" if adapter else "full", "tensors": len(named_tensors),
-            "bytes": sum(t.numel() * t.element_size() for t in named_tensors.values()),
+            "bytes": sum(t.numel() * t.element_size() for t in named_tensors.values()), "via": via,
         }
         return self.merger.merged(named_tensors) if adapter else named_tensors
 
@@ -116,6 +119,17 @@ class Replica:
         self._ensure_running()
         self._check_loaded()
         seconds = await self.engine.update_weights(await asyncio.to_thread(self._received, named_tensors), version)
+        self.loaded_version = version
+        return seconds
+
+    async def receive_weights(self, manifest: Manifest, version: int) -> float:
+        """--weight-sync broadcast: this replica's part of the trainer actor's broadcast, then the
+        swap as `update_weights` does it. It takes part before any check: a member that left the
+        collective would hold up the others until the timeout."""
+        self._ensure_running()
+        named_tensors = await asyncio.to_thread(self._receive, manifest)
+        self._check_loaded()
+        seconds = await self.engine.update_weights(await asyncio.to_thread(self._received, named_tensors, "broadcast"), version)
         self.loaded_version = version
         return seconds
 
@@ -155,6 +169,7 @@ class Replica:
             "rss_mb": rss_mb(),
             "peak_rss_mb": peak_rss_mb(),
             "last_sync": self.last_sync,
+            "group": self._generation,
             "prefix_cache": engine.prefix_cache.stats(),
             "device": str(engine.device),
             "max_context": engine.max_context,

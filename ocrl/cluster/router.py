@@ -17,7 +17,9 @@ Contract:
  - Weights (`update_weights`): merged weights, or with `--weight-sync lora` the trainer's LoRA
    adapter (`accepts_adapters`; each replica merges it itself, cluster/adapters.py, and the
    judge reads the base weights this process holds, `base()`): the tensors go into Ray's object store once and every ready
-   replica copies them in (at once); the router also keeps every tensor trained since version 0
+   replica copies them in (at once); with `--weight-sync broadcast` the trainer actor broadcasts
+   them instead (cluster/collective.py; the object store only for replicas the broadcast missed);
+   the router also keeps every tensor trained since version 0
    so a replica that (re)starts later loads the current version before it is routed to. A
    replica that fails the swap is taken out until it has reloaded; the swap fails only when no
    replica took it. `score` (the trainer's probe) runs on every ready replica and raises when
@@ -29,8 +31,8 @@ Contract:
  - `stats()` shows each replica: up or not, the version it serves, its load, memory and prefix
    cache.
 
-The trainer runs as one more actor (cluster/remote_trainer.py). Not here yet: SGLang replicas, NCCL
-broadcast of full weights.
+The trainer runs as one more actor (cluster/remote_trainer.py). Not here yet: SGLang replicas; the
+NCCL broadcast has run only as gloo on the CPU (the same code, another backend).
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ import anyio
 import torch
 
 from ocrl.cluster.affinity import AffinityIndex
+from ocrl.cluster.collective import WeightGroup
 from ocrl.cluster.replica import NotLoaded, Replica
 from ocrl.engine.base import EngineBusy, EngineError, Final, collect
 from ocrl.types import Completion, Grammar, SamplingParams, TokenChunk
@@ -118,6 +121,7 @@ class Cluster:
         self._base = None  # --weight-sync lora: the base weights in this process, for the judge
         self.trained: dict[str, torch.Tensor] = {}  # every tensor trained since version 0, newest value
         self._trained_ref = None  # the same, in the object store (put once per version)
+        self.group: WeightGroup | None = None  # --weight-sync broadcast (cluster/collective.py)
         self.affinity = AffinityIndex()
         self._swap_lock = anyio.Lock()  # swaps and (re)loads take turns
         self.routed_by_affinity = 0
@@ -153,6 +157,8 @@ class Cluster:
             ray, slots, name=loaded.name, max_context=0, device=model_device, max_batch_size=config.max_batch_size,
             agree_atol=verify_tolerance(loaded.model), owns_ray=owns_ray,
         )
+        if config.weight_sync == "broadcast":  # the trainer actor joins when it starts (attach_trainer)
+            cluster.group = WeightGroup(ray, backend="nccl" if gpus else "gloo")
         if adapters:
             from ocrl.engine.hf import HFEngine
 
@@ -298,12 +304,18 @@ class Cluster:
             # copies taken now: the trainer's tensors are views it changes after we return
             self.trained.update({n: t.detach().to("cpu", copy=True) for n, t in named_tensors.items()})
             self._trained_ref = None
-            ref = self.ray.put({n: self.trained[n] for n in named_tensors})
             slots = [s for s in self.slots if s.ready]
-            results = await asyncio.gather(*(s.handle.update_weights.remote(ref, version) for s in slots), return_exceptions=True)
+            # --weight-sync broadcast: the data by the trainer actor's broadcast; the object store
+            # carries it to the replicas that did not take it (no group yet, a peer lost)
+            by_broadcast = await self.group.swap(slots, named_tensors, version) if self.group is not None else {}
+            rest = [s for s in slots if s not in by_broadcast]
+            ref = self.ray.put({n: self.trained[n] for n in named_tensors}) if rest else None
+            results = await asyncio.gather(*(s.handle.update_weights.remote(ref, version) for s in rest), return_exceptions=True)
             self.weights_version = version  # replicas not at it are not routed to until they load it
-            took = 0
-            for slot, result in zip(slots, results):
+            took = len(by_broadcast)
+            for slot in by_broadcast:
+                slot.status["weights_version"] = version
+            for slot, result in zip(rest, results):
                 if isinstance(result, BaseException):
                     self._take_out(slot, f"swap to {version} failed: {type(result).__name__}")
                 else:
@@ -311,9 +323,20 @@ class Cluster:
                     slot.status["weights_version"] = version
             if not took:
                 raise EngineError(f"no replica took weights version {version}")
-        return time.perf_counter() - started
+        seconds = time.perf_counter() - started
+        if self.group is not None:
+            self.group.last_seconds["object_store" if rest else "broadcast"] = seconds
+        return seconds
 
     # -- health: restarted replicas load the current version before they serve ------------
+
+    def attach_trainer(self, handle) -> None:
+        """The trainer actor's handle: rank 0 of the broadcast group (--weight-sync broadcast)."""
+        if self.group is not None:
+            self.group.trainer = handle
+
+    def weight_sync_stats(self) -> dict | None:
+        return None if self.group is None else self.group.stats()
 
     def base(self):
         """--weight-sync lora: an engine serving the base weights (no adapter), for the judge."""

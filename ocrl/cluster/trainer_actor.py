@@ -16,6 +16,8 @@ Contract:
  - `save(final, state)` writes the checkpoint the daemon composed (checkpoint.py, atomically);
    `plans` is the memory budget of the trainer's device; `current(probe)` the weights to
    publish now; `status` answers at once, even during a step.
+ - `--weight-sync broadcast`: the actor keeps the weights it returned last (`hold`) and is rank 0
+   of the group that broadcasts them to the replicas (cluster/collective.py).
 
 Knows the trainer and checkpoints; nothing of routing, records or HTTP.
 """
@@ -28,12 +30,14 @@ import uuid
 from pathlib import Path
 from types import SimpleNamespace
 
+from ocrl.cluster.collective import GroupMember
+
 
 class NotRestored(RuntimeError):
     """The actor (just started, or restarted by Ray) has not restored its checkpoint yet."""
 
 
-class TrainerActor:
+class TrainerActor(GroupMember):
     """Wrapped by `ray.remote` in remote_trainer.py (this module imports no Ray)."""
 
     def __init__(self, config):
@@ -54,6 +58,7 @@ class TrainerActor:
         self.trainer = Trainer(config, loaded.model, engine=publishes_to, device=train_device(loaded.model), yield_to=None)
         self.restored_step: int | None = None  # the step this incarnation started from; None: not restored
         self.steps = 0  # steps trained by this incarnation
+        self.broadcasts = config.weight_sync == "broadcast"  # keeps what it returned, to broadcast it
 
     def _check(self) -> None:
         if self.restored_step is None:
@@ -90,6 +95,8 @@ class TrainerActor:
         metrics, tensors, probe_logprobs = await asyncio.to_thread(trainer._train, batch, None, None, count)
         self.steps += 1
         tensors = {n: t.detach().to("cpu", copy=True) for n, t in tensors.items()}
+        if self.broadcasts:
+            self.hold(tensors)
         await asyncio.to_thread(memory.trim)
         return metrics, tensors, probe_logprobs.detach().cpu(), trainer.distilled_rows
 
@@ -99,7 +106,10 @@ class TrainerActor:
         trainer = self.trainer
         trainer.probe = probe
         tensors, probe_logprobs = await trainer._current()
-        return {n: t.detach().to("cpu", copy=True) for n, t in tensors.items()}, None if probe_logprobs is None else probe_logprobs.cpu()
+        tensors = {n: t.detach().to("cpu", copy=True) for n, t in tensors.items()}
+        if self.broadcasts:
+            self.hold(tensors)
+        return tensors, None if probe_logprobs is None else probe_logprobs.cpu()
 
     async def save(self, final: str, state) -> bool:
         self._check()

@@ -50,6 +50,8 @@ def adapter_rank(config, which: str) -> int:
     """The LoRA rank the engine must accept adapters of (`--weight-sync lora`), else 0."""
     from ocrl.config import ConfigError
 
+    if config.weight_sync == "broadcast" and not config.replicas:
+        raise ConfigError("--weight-sync broadcast needs --replicas (the trainer actor broadcasts to the replicas)")
     if config.weight_sync != "lora":
         return 0
     if which != "sglang":
