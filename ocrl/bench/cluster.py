@@ -7,6 +7,11 @@ started once here and shared by the three daemons.
 
 On a CPU box with few cores the replicas compete for the same cores, so expect little gain; the
 figure that matters is on a box with one GPU per replica.
+
+With `--weight-sync broadcast` it also times weight swaps to the N replicas, by the broadcast
+(cluster/collective.py) and by the object store alternately in one run, the router in this
+process and a bare group member standing in for the trainer actor (it holds the same weights):
+the median seconds of each, the router's `update_weights` from call to return.
 """
 
 from __future__ import annotations
@@ -94,11 +99,14 @@ async def bench_replicas(config, repeats: int, max_tokens: int) -> None:
 
     burst = 8 * n
     # single-turn requests: no votes, so no judge model to load
-    base = msgspec.structs.replace(config, no_train=True, prm_mode="generate")
+    base = msgspec.structs.replace(config, no_train=True, prm_mode="generate", weight_sync="full")
     rows = {}
     for label, replicas in (("in-process", 0), ("1 replica", 1), (f"{n} replicas", n)):
         port = config.port + replicas if config.port != DEFAULT_PORT else free_port(config.host)  # a daemon each
         rows[label] = await measure(msgspec.structs.replace(base, replicas=replicas, port=port), repeats, max_tokens, burst)
+    swaps = None
+    if config.weight_sync == "broadcast":
+        swaps = await measure_swaps(msgspec.structs.replace(config, port=free_port(config.host)), repeats)
     ray.shutdown()
     one = rows["1 replica"]
     print(f"bench serve --replicas {n}: {config.model}{' ' + config.random_init if config.random_init else ''}, greedy, "
@@ -110,3 +118,45 @@ async def bench_replicas(config, repeats: int, max_tokens: int) -> None:
         replicas = ", ".join(f"{now:.0f} (peak {peak:.0f})" for now, peak in zip(row["replica_rss_mb"], row["replica_peak_rss_mb"]))
         print(f"  {'':<12} memory: daemon {row['daemon_rss_mb']:.0f} MiB" + (f"; each replica process {replicas} MiB, "
               f"{sum(row['replica_rss_mb']):.0f} MiB in all" if replicas else ""))
+    if swaps:
+        print(f"  weight swaps to {n} replicas ({swaps['bytes'] / 2**20:.1f} MiB, {swaps['backend']}, {repeats} each, alternated; medians): "
+              f"broadcast {swaps['broadcast'] * 1000:.1f} ms, object store {swaps['object_store'] * 1000:.1f} ms "
+              f"({swaps['broadcast'] / swaps['object_store']:.2f}x); fallbacks {swaps['fallbacks']}")
+
+
+async def measure_swaps(config, repeats: int) -> dict:
+    """Median seconds of the router's `update_weights` by broadcast and by the object store."""
+    import ray
+
+    from ocrl import models
+    from ocrl.cluster.collective import GroupMember
+    from ocrl.cluster.router import Cluster
+
+    loaded = models.load(
+        config.model, device=config.device, dtype=config.dtype, random_init=config.random_init,
+        context_length=config.context_length, rope_scaling=config.rope_scaling,
+    )  # fmt: skip
+    cluster = await Cluster.start(config, loaded)
+    try:
+        sender = ray.remote(GroupMember).options(num_cpus=0).remote()
+        cluster.attach_trainer(sender)
+        group = cluster.group
+        tensors = {n: p.detach().to("cpu", copy=True) for n, p in loaded.model.named_parameters()}
+        await sender.hold.remote(tensors)
+        times: dict[str, list[float]] = {"broadcast": [], "object_store": []}
+        version = 0
+        for r in range(repeats + 1):  # round 0 warms up (and builds the group)
+            for path in times:
+                version += 1
+                cluster.group = group if path == "broadcast" else None
+                seconds = await cluster.update_weights(tensors, version)
+                if r:
+                    times[path].append(seconds)
+        cluster.group = group
+        return {
+            **{path: statistics.median(t) for path, t in times.items()}, "fallbacks": group.fallbacks, "backend": group.backend,
+            "bytes": sum(t.numel() * t.element_size() for t in tensors.values()),
+        }
+    finally:
+        cluster.close()
+        ray.kill(sender)
