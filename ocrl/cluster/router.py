@@ -16,11 +16,11 @@ Contract:
    the replica that produced it served.
  - Weights (`update_weights`): merged weights, or with `--weight-sync lora` the trainer's LoRA
    adapter (`accepts_adapters`; each replica merges it itself, cluster/adapters.py, and the
-   judge reads the base weights this process holds, `base()`): the tensors go into Ray's object store once and every ready
-   replica copies them in (at once); with `--weight-sync broadcast` the trainer actor broadcasts
-   them instead (cluster/collective.py; the object store only for replicas the broadcast missed);
-   the router also keeps every tensor trained since version 0
-   so a replica that (re)starts later loads the current version before it is routed to. A
+   judge reads the base weights this process holds, `base()`): the tensors go into Ray's object
+   store once and every ready replica copies them in (at once); with `--weight-sync broadcast`
+   the trainer actor broadcasts them instead (cluster/collective.py; the object store carries
+   them only to replicas the broadcast missed). The router also keeps every tensor trained
+   since version 0 so a replica that (re)starts later loads the current version before it is routed to. A
    replica that fails the swap is taken out until it has reloaded; the swap fails only when no
    replica took it. `score` (the trainer's probe) runs on every ready replica and raises when
    any two disagree beyond the trainer's tolerance, so a verified swap is verified everywhere.
