@@ -7,6 +7,9 @@ restarts it and it serves the current version again; and the crash tests' accoun
 main turn journaled once, trained at most once, nothing kept for a failed request) after a kill
 mid-traffic with training on. The trainer is a third actor: its steps reach both replicas, and
 when it is killed mid-traffic it resumes from the newest checkpoint with the same accounting.
+With --weight-sync lora only adapters cross the object store; with --weight-sync broadcast full
+weights go from the trainer actor to the replicas by a gloo broadcast, the object store as the
+fallback when the group loses a member.
 
 One cluster and one daemon for the module: Ray and two replica processes take most of the time.
 """

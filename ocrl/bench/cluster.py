@@ -155,7 +155,7 @@ async def measure_swaps(config, repeats: int) -> dict:
         cluster.group = group
         return {
             **{path: statistics.median(t) for path, t in times.items()}, "fallbacks": group.fallbacks, "backend": group.backend,
-            "bytes": sum(t.numel() * t.element_size() for t in tensors.values()),
+            "bytes": sum(t.numel() * t.element_size() for t in tensors.values()), "samples": times,
         }
     finally:
         cluster.close()
