@@ -139,14 +139,15 @@ class GroupMember:
         return time.perf_counter() - started
 
     def _receive(self, manifest: Manifest) -> dict[str, torch.Tensor]:
-        """Ranks 1..n: the tensors rank 0 sends, named as in the manifest (on the CPU)."""
+        """Ranks 1..n: the tensors rank 0 sends, named as in the manifest, on the group's device
+        (views of one flat tensor per bucket: on a GPU the whole version is held once more, in
+        the replica's GPU memory, until the engine has copied it in)."""
         import torch.distributed as dist
 
         out = {}
         for bucket in plan(manifest):
             flat = torch.empty(sum(_numel(shape) for _, shape, _ in bucket), dtype=getattr(torch, bucket[0][2]), device=self._device)
             dist.broadcast(flat, src=0)
-            flat = flat.cpu()
             at = 0
             for name, shape, _ in bucket:
                 n = _numel(shape)
