@@ -268,3 +268,16 @@ async def test_second_held_out_accuracy_floor(judge):
     # tool error at +1.
     assert report["accuracy"] >= 0.945, report["misses"]
     assert report["confusion"][-1][1] == 0, report["misses"]
+
+
+async def test_third_held_out_accuracy_floor(judge):
+    cases = load_cases(DATA / "judge_heldout_3.jsonl")
+    report = await evaluate(judge, cases)
+    # The blind set: written by one engineer while another built the fifth candidate without
+    # seeing it (only three one-line approvals that the fit data shared with it were dropped from
+    # the fit, by the data-validity test), and scored once: 243/266 = 0.914, below the 0.92
+    # target, with 4 change requests or redos at +1 ("thanks! could you make it a bit firmer",
+    # "nice, but swap Friday for Saturday", "log to stderr pls", "one more try?"). The floor
+    # guards against a regression; it is not the target.
+    assert report["accuracy"] >= 0.91, report["misses"]
+    assert report["confusion"][-1][1] <= 4, report["misses"]
