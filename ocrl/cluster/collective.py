@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import socket
 import time
 from datetime import timedelta
@@ -59,7 +60,7 @@ def plan(manifest: Manifest, limit: int = BUCKET_BYTES) -> list[list[tuple[str, 
         size = torch.empty((), dtype=getattr(torch, dtype)).element_size()
         bucket, used = [], 0
         for entry in entries:
-            nbytes = size * _numel(entry[1])
+            nbytes = size * math.prod(entry[1])
             if bucket and used + nbytes > limit:
                 buckets.append(bucket)
                 bucket, used = [], 0
@@ -68,13 +69,6 @@ def plan(manifest: Manifest, limit: int = BUCKET_BYTES) -> list[list[tuple[str, 
         if bucket:
             buckets.append(bucket)
     return buckets
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 class GroupMember:
@@ -146,11 +140,11 @@ class GroupMember:
 
         out = {}
         for bucket in plan(manifest):
-            flat = torch.empty(sum(_numel(shape) for _, shape, _ in bucket), dtype=getattr(torch, bucket[0][2]), device=self._device)
+            flat = torch.empty(sum(math.prod(shape) for _, shape, _ in bucket), dtype=getattr(torch, bucket[0][2]), device=self._device)
             dist.broadcast(flat, src=0)
             at = 0
             for name, shape, _ in bucket:
-                n = _numel(shape)
+                n = math.prod(shape)
                 out[name] = flat[at : at + n].view(shape)
                 at += n
         return out

@@ -94,9 +94,7 @@ class TrainerActor(GroupMember):
         trainer.probe = probe_sample(*split_prompt(batch[0]))
         metrics, tensors, probe_logprobs = await asyncio.to_thread(trainer._train, batch, None, None, count)
         self.steps += 1
-        tensors = {n: t.detach().to("cpu", copy=True) for n, t in tensors.items()}
-        if self.broadcasts:
-            self.hold(tensors)
+        tensors = self._returned(tensors)
         await asyncio.to_thread(memory.trim)
         return metrics, tensors, probe_logprobs.detach().cpu(), trainer.distilled_rows
 
@@ -106,10 +104,15 @@ class TrainerActor(GroupMember):
         trainer = self.trainer
         trainer.probe = probe
         tensors, probe_logprobs = await trainer._current()
+        return self._returned(tensors), None if probe_logprobs is None else probe_logprobs.cpu()
+
+    def _returned(self, tensors: dict) -> dict:
+        """CPU copies of the weights to publish (the trainer's are views it changes next step),
+        kept for the broadcast too under --weight-sync broadcast."""
         tensors = {n: t.detach().to("cpu", copy=True) for n, t in tensors.items()}
         if self.broadcasts:
             self.hold(tensors)
-        return tensors, None if probe_logprobs is None else probe_logprobs.cpu()
+        return tensors
 
     async def save(self, final: str, state) -> bool:
         self._check()

@@ -180,7 +180,7 @@ def features(
 
 class HeadSettings(msgspec.Struct, frozen=True):
     """How the head is fitted; part of the cache key. Chosen by cross-validation on the fit
-    data only (see `cross_validate`), never on the held-out cases."""
+    data only (see `cross_validate_cases`), never on the held-out cases."""
 
     weight_decay: float = 3e-4
     steps: int = 400
@@ -217,17 +217,6 @@ def labels_to_index(cases: Sequence[FitCase]) -> torch.Tensor:
     import torch
 
     return torch.tensor([LABELS.index(case.expected) for case in cases])
-
-
-def cross_validate(x: torch.Tensor, y: torch.Tensor, settings: HeadSettings, folds: int = 5) -> float:
-    """Accuracy of the argmax head over `folds` interleaved folds of the fit data."""
-    correct = 0
-    for fold in range(folds):
-        held = [i for i in range(len(y)) if i % folds == fold]
-        kept = [i for i in range(len(y)) if i % folds != fold]
-        weight, bias = fit_head(x[kept], y[kept], settings)
-        correct += int(((x[held] @ weight.T + bias).argmax(1) == y[held]).sum())
-    return correct / len(y)
 
 
 def cross_validate_cases(
