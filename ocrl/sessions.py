@@ -225,10 +225,11 @@ class Sessions:
             self._emit(session, MainTurn(sibling), score=None, mask=0, reward=0.0, votes=[], promoted=False)
 
     def abort(self, ticket: Ticket) -> None:
+        """A request that failed keeps no turn, and a session it said was done stays open: the
+        client's retry carries the flag again (closing now would start the retry a new session
+        at turn 0); a client that never retries leaves the session to the idle expiry."""
         self._done(ticket)
         self.counters["aborted_turns"] += 1
-        if ticket.session_done:
-            self.close(ticket.session_id)
 
     def close(self, session_id: str) -> None:
         """Session end: the last main turn, if it never got a next state, is submitted now."""

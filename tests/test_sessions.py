@@ -76,6 +76,20 @@ async def test_three_turn_session_masks(h):
 
 
 @judged
+async def test_a_failed_last_request_leaves_the_session_open_for_its_retry(h):
+    u = lambda text: {"role": "user", "content": text}
+    h.turn([u("q1")], session_id="r")
+    last = [u("q1"), {"role": "assistant", "content": "ok"}, u("thanks next")]
+    h.sessions.abort(h.sessions.begin(session_id="r", turn_type=None, session_done=True, messages=[Message(**m) for m in last]))
+    assert "r" in h.sessions.sessions and not h.sessions.sessions["r"].closed
+    retried, _ = h.turn(last, session_id="r", done=True)  # the client's retry: the same session, the next index
+    await h.settle()
+    assert retried.index == 1 and retried.session_uid == h.samples[0].sample_id.split(":")[1]
+    assert "r" not in h.sessions.sessions  # closed by the retry's flag
+    assert sorted(s.turn_index for s in h.samples) == [0, 1]
+
+
+@judged
 async def test_single_turn_session_gets_mask_one(h):
     h.turn([{"role": "user", "content": "hi"}], session_id="solo", done=True)
     [sample] = h.samples
