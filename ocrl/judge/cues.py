@@ -1,6 +1,7 @@
 """Cheap textual cues the embed judge reads beside the embeddings: a tool message that shows a
 failure (`tool_failure`), one with no outcome yet (`tool_pending`), a user message that asks for
-an edit of the previous answer (`edit_cue`), and emoji spelt out as words for the encoder
+an edit of the previous answer (`edit_cue`, `imperative_cue`) or moves on to a new request
+(`moves_on`), and emoji spelt out as words for the encoder
 (`spell_emoji`). Each returns the matched text (or the rewritten text) and knows nothing of the
 head, its fit or its decision rule (embed.py).
 """
@@ -49,7 +50,7 @@ _FAILURE_CUES = (
     r"|\blimit (?:reached|hit)\b|\btry again (?:later|in)\b|\btimed out\b|\btimeout (?:after|for|error|exceeded|expired)\b"
     r"|\bdid not (?:finish|complete|respond|return)\b|\bno response from\b|\bwithout (?:a )?response\b|(?<!\b0 )(?<!\bno )\bconflicts?\b)",
     # protocols: HTTP status lines and reason phrases, status fields, SMTP replies with enhanced codes, IMAP NO/BAD
-    r"(?m:^\s*(?:HTTP/[\d.]+\s+|SMTP\s+)?[45]\d\d\s*[-:]?\s*[A-Z])|\bHTTP/[\d.]+ [45]\d\d\b|\b[45]\d\d[ -][45]\.\d{1,3}\.\d{1,3}\b"
+    r"(?m:^\s*(?:HTTP/[\d.]+\s+|SMTP\s+)?[45]\d\d(?:\s+|\s*[-:]\s*)[A-Z])|\bHTTP/[\d.]+ [45]\d\d\b|\b[45]\d\d[ -][45]\.\d{1,3}\.\d{1,3}\b"
     r"|\b(?:Bad Request|Payment Required|Method Not Allowed|Not Acceptable|Request Timeout|Precondition Failed|Payload Too Large"
     r"|Unsupported Media Type|Unprocessable (?:Entity|Content)|Too Many Requests|Internal Server Error|Not Implemented|Bad Gateway"
     r"|Service Unavailable|Gateway Timeout)\b"
@@ -109,6 +110,44 @@ def edit_cue(text: str) -> str | None:
     """The first word in a user's message that asks for the previous answer to change, or None."""
     match = _EDIT_CUE.search(text)
     return match.group(0).strip() if match else None
+
+
+# A clause that opens with a verb of editing a text or a plan, bare or after a softener ("sign it
+# from both of us", "love it, just drop the last line", "could you cc Ana"): how people ask for a
+# change without any word of contrast. Also how they ask for a new task ("write the intro"), so
+# it counts only in a message with no sign of moving on (`moves_on`).
+_EDIT_VERBS = (
+    "add remove drop delete cut trim shorten lengthen expand condense make use sign address cc bcc order sort start begin end open "
+    "close put move swap switch change replace rename include mention say keep recheck check double-check fix redo rewrite rephrase "
+    "reword reformat format bold italicize capitalize split merge spell round convert soften simplify skip leave lose try give "
+    "write do call title turn label highlight reorder indent align wrap quote cite attach omit lower raise increase decrease bump "
+    "set mark tone translate list less more shorter longer"
+).split()
+_IMPERATIVE = re.compile(
+    r"(?i:(?:^|[,.!;:\u2014\u2013-]\s*|\b(?:just|pls|please|plz|and|but|then|(?:could|can|would|will) (?:you|u))\s+)"
+    r"(?:" + "|".join(re.escape(verb) for verb in _EDIT_VERBS) + r")\b)"
+)
+
+# Signs that the user moves on to something new rather than asking for a change: a word of
+# sequence or addition ("now", "next", "also", "same for", "let's"), or a question that opens a
+# clause ("how do I ...", "what about ...").
+_MOVES_ON = re.compile(
+    r"(?i:\b(?P<word>now|next|then|also|too|as well|same|moving on|on to|onto|new task|let'?s|after that|another thing|one more thing)\b"
+    r"|^(?:.*[,.!:;\u2014]\s*)?(?:(?:and|so|but|or|ok|okay) )?(?P<question>how|what|where|when|why|which|who|is|are|does|do i|should|can i|could i)\b)"
+)
+
+
+def imperative_cue(text: str) -> str | None:
+    """The clause-opening edit verb of a user's message ("sign it ...", ", just drop ..."), or None."""
+    match = _IMPERATIVE.search(text)
+    return match.group(0).strip(" ,.!;:\u2014\u2013-") if match else None
+
+
+def moves_on(text: str) -> str | None:
+    """The first sign that a user's message moves on to a new request ("now", "next", "also",
+    "how do I ..."), or None."""
+    match = _MOVES_ON.search(text)
+    return (match.group("word") or match.group("question")) if match else None
 
 
 _EMOJI_RANGES = ((0x2600, 0x27BF), (0x2B00, 0x2BFF), (0x1F000, 0x1FAFF))  # symbols, dingbats, emoji blocks

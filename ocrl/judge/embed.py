@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 import anyio
 import msgspec
 
-from ocrl.judge.cues import edit_cue, spell_emoji, tool_failure, tool_pending
+from ocrl.judge.cues import edit_cue, imperative_cue, moves_on, spell_emoji, tool_failure, tool_pending
 from ocrl.judge.votes import timed_verdict
 from ocrl.types import Verdict, Vote
 
@@ -227,6 +227,7 @@ def cross_validate_cases(
     *,
     margin: float = 0.03,
     edit_guard: float = 0.7,
+    strict_guard: float = 0.95,
 ) -> dict:
     """The judge's decision (`decide`, not the argmax) over `folds` interleaved folds of labelled
     cases, as an `evaluate` report (`cases.format_report` prints it) plus `argmax_accuracy`. How
@@ -245,7 +246,9 @@ def cross_validate_cases(
         for i, row in zip(held, probs):
             case = cases[i]
             shown = {label: float(row[j]) for j, label in enumerate(LABELS)}
-            score = decide(shown, case.next_state, case.role, margin=margin, edit_guard=edit_guard)[0] if case.next_state.strip() else 0
+            score = decide(
+                shown, case.next_state, case.role, margin=margin, edit_guard=edit_guard, strict_guard=strict_guard
+            )[0] if case.next_state.strip() else 0
             confusion[case.expected][score] += 1
             if score != case.expected:
                 text = " ".join(f"{CLASS_NAMES[label]}={shown[label]:.3f}" for label in LABELS)
@@ -292,19 +295,27 @@ def load_or_fit_head(
     return weight, bias
 
 
-def decide(probs: dict[int, float], next_state: str, role: str, *, margin: float = 0.03, edit_guard: float = 0.7) -> tuple[int, str | None]:
+def decide(
+    probs: dict[int, float], next_state: str, role: str, *, margin: float = 0.03, edit_guard: float = 0.7, strict_guard: float = 0.95
+) -> tuple[int, str | None]:
     """The score from the head's class probabilities, and the rule that kept +1 away (or None).
     The best class wins when it leads the runner-up by at least `margin`, else 0. +1 is set
     aside for tool output with a failure sign (`tool_failure`) always, and for a user message
-    with a cue of an edit to the answer (`edit_cue`) unless p(+1) >= `edit_guard` (0.7 chosen
-    by 5-fold cross-validation on the 1566 fit cases: 0.925 accuracy with 8 corrections at +1,
-    against 0.923 with 11 without the guard and 0.905 with 7 when a cue always sets +1 aside; a
-    like guard for tool output that reports no outcome yet cost accuracy there and is not used:
-    `tool_pending` is a feature only)."""
+    that may ask for a change unless the head is sure: with a word of editing or contrast
+    (`edit_cue`) in a message that moves on to a new request (`moves_on`), p(+1) must reach
+    `edit_guard`; with one, or a clause that opens with an edit verb (`imperative_cue`), in a
+    message that does not move on, p(+1) must reach `strict_guard`. Chosen by 5-fold
+    cross-validation on the 2,222 fit cases (the first fit data and the three spent held-out
+    sets): the single 0.7 guard on `edit_cue` scored 0.932 with 12 corrections at +1; these two
+    guards score 0.933 with 3 (0.7/0.97: 0.9325 with 3; no +1 at all with a cue: 0.932 with 3 and
+    five fewer approvals). A like guard for tool output that reports no outcome yet cost
+    accuracy and is not used: `tool_pending` is a feature only."""
     if role != "user":
         rule = tool_failure(next_state)
     else:
-        rule = edit_cue(next_state) if probs[1] < edit_guard else None
+        on = moves_on(next_state)
+        cue = edit_cue(next_state) or (None if on else imperative_cue(next_state))
+        rule = cue if cue is not None and probs[1] < (edit_guard if on else strict_guard) else None
     ranked = sorted(LABELS, key=probs.__getitem__, reverse=True)
     if rule is not None and ranked[0] == 1:
         ranked.remove(1)
@@ -324,8 +335,10 @@ class EmbedJudge:
     3. The best class wins when it leads the runner-up by at least `margin`; else 0 (`decide`).
     4. Tool output with a failure sign is never +1: a traceback read as success is the one error
        that teaches the policy the wrong thing. A user message with a cue of an edit to the
-       answer (`edit_cue`: "but", "instead", "make it", "sign it", ...) is +1 only when
-       p(+1) >= `edit_guard`: a change request read as approval teaches the same wrong thing.
+       answer (`edit_cue`: "but", "instead", "make it", ...; or, unless it moves on to a new
+       request, a clause that opens with an edit verb: "sign it ...", "just drop ...") is +1
+       only when the head is sure (`edit_guard`, `strict_guard`): a change request read as
+       approval teaches the same wrong thing.
     An empty next state is 0 without a forward. Deterministic: one vote, whose text lists the
     class probabilities. The forward runs in a worker thread."""
 
@@ -337,6 +350,7 @@ class EmbedJudge:
         *,
         margin: float = 0.03,
         edit_guard: float = 0.7,
+        strict_guard: float = 0.95,
         fingerprint: str | None = None,
         settings: HeadSettings = HeadSettings(),
         head: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -344,6 +358,7 @@ class EmbedJudge:
         self.encode = encode
         self.margin = margin
         self.edit_guard = edit_guard
+        self.strict_guard = strict_guard
         self.settings = settings
         if head is None:
             fingerprint = fingerprint or getattr(encode, "fingerprint", lambda: repr(encode))()
@@ -370,7 +385,9 @@ class EmbedJudge:
         if not next_state.strip():
             return Vote(score=0, text="empty next state -> 0")
         probs = self.probabilities(next_state, role)
-        score, rule = decide(probs, next_state, role, margin=self.margin, edit_guard=self.edit_guard)
+        score, rule = decide(
+            probs, next_state, role, margin=self.margin, edit_guard=self.edit_guard, strict_guard=self.strict_guard
+        )
         shown = " ".join(f"{CLASS_NAMES[label]}={probs[label]:.3f}" for label in LABELS)
         return Vote(score=score, text=f"{shown} rule={rule or '-'} -> {score}")
 
