@@ -203,6 +203,15 @@ def test_shipped_fit_data_and_held_out_cases_are_valid_and_disjoint():
     kinds = {"tool_ok", "tool_error", "tool_neutral", "thanks", "approval", "next_task", "correction", "redo", "change_request",
              "complaint", "off_topic", "ambiguous"}
     assert kinds <= {case.kind for case in fit}
+    # the fourth held-out set, written blind and committed before any judge was scored on it:
+    # disjoint from the fit data (which holds the three spent sets) and the reported cases
+    blind = load_cases(DATA / "judge_heldout_4.jsonl")
+    assert len(blind) >= 290
+    for case in blind:
+        assert case.role == ("tool" if case.kind.startswith("tool_") else "user") and case.expected in (1, -1, 0)
+    assert not fitted & {case.next_state for case in blind}
+    assert not {case.next_state for case in reported} & {case.next_state for case in blind}
+    assert kinds <= {case.kind for case in blind}
 
 
 def test_failure_cues_by_kind_of_tool_output():
