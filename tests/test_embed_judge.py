@@ -105,6 +105,13 @@ def test_imperative_cues_and_signs_of_moving_on():
         assert embed_judge.moves_on(text) == sign, text
     for text in ["cc Maria on it", "make it shorter", "love it, just drop the last line", "thanks!"]:
         assert embed_judge.moves_on(text) is None, text
+    assert embed_judge.moves_on("put the charts next to their sections") is None  # "next to" is a place
+    # a request for the answer again or another version of it
+    for text, words in [("one more go?", "one more go"), ("let's have a second draft", "second draft"), ("try again pls", "again"),
+                        ("any other options?", "other options")]:
+        assert embed_judge.redo_cue(text) == words, text
+    for text in ["thanks, that works", "now the next slide", "another thing: book the room"]:
+        assert embed_judge.redo_cue(text) is None, text
 
 
 def test_lexical_features_are_hashed_n_grams_of_the_lower_cased_words():
@@ -189,7 +196,11 @@ def test_a_user_edit_cue_keeps_plus_one_away_unless_the_head_is_sure():
     assert embed_judge.decide(fairly_sure, "love it, just drop the RSVP line", "user") == (-1, "drop")
     sure = {1: 0.97, -1: 0.02, 0: 0.01}
     assert embed_judge.decide(sure, "thanks, but no rush on the rest", "user") == (1, None)  # head sure enough
-    assert embed_judge.decide(probs, "make it shorter", "user", edit_guard=0.0, strict_guard=0.0) == (1, None)
+    # a redo request never moves on, whatever its words of sequence ("next", "let's")
+    assert embed_judge.decide(fairly_sure, "let's have a second draft", "user") == (-1, "second draft")
+    # an edit word and an edit verb together: never +1
+    assert embed_judge.decide({1: 0.96, -1: 0.04, 0: 0.0}, "great, but swap steps 2 and 3", "user") == (-1, "but")
+    assert embed_judge.decide(probs, "it is too long", "user", edit_guard=0.0, strict_guard=0.0) == (1, None)
 
 
 def test_shipped_fit_data_and_held_out_cases_are_valid_and_disjoint():

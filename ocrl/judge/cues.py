@@ -121,18 +121,28 @@ _EDIT_VERBS = (
     "close put move swap switch change replace rename include mention say keep recheck check double-check fix redo rewrite rephrase "
     "reword reformat format bold italicize capitalize split merge spell round convert soften simplify skip leave lose try give "
     "write do call title turn label highlight reorder indent align wrap quote cite attach omit lower raise increase decrease bump "
-    "set mark tone translate list less more shorter longer"
+    "set mark tone translate list less more shorter longer tag loop flip reverse tighten tweak adjust update edit clean link cap bump "
+    "mention name email"
 ).split()
 _IMPERATIVE = re.compile(
     r"(?i:(?:^|[,.!;:\u2014\u2013-]\s*|\b(?:just|pls|please|plz|and|but|then|(?:could|can|would|will) (?:you|u))\s+)"
-    r"(?:" + "|".join(re.escape(verb) for verb in _EDIT_VERBS) + r")\b)"
+    r"(?:" + "|".join(re.escape(verb) for verb in _EDIT_VERBS) + r")\b"
+    r"|\b(?:could|can|would|will|should) (?:it|you|u|we) (?:be|have|rhyme|sound|read|say|include|mention|use|go|start|end)\b)"
+)
+
+# A request for the same thing again, or another version of it ("one more go?", "a second draft",
+# "other options"): never a sign of moving on, whatever words of sequence it uses.
+_REDO = re.compile(
+    r"(?i:\b(?:again|redo|retry|start over|from scratch|try that|another (?:version|go|try|take|shot|attempt|draft|option|pass|round)"
+    r"|(?:second|new|different|fresh|alternative) (?:draft|version|take|attempt|try|go|options?|suggestions?)|alternatives"
+    r"|one more (?:go|try|time|attempt|shot|pass|round)|(?:next|other|more) (?:suggestions?|options|ideas)|(?:a |some )?other ones?)\b)"
 )
 
 # Signs that the user moves on to something new rather than asking for a change: a word of
 # sequence or addition ("now", "next", "also", "same for", "let's"), or a question that opens a
 # clause ("how do I ...", "what about ...").
 _MOVES_ON = re.compile(
-    r"(?i:\b(?P<word>now|next|then|also|too|as well|same|moving on|on to|onto|new task|let'?s|after that|another thing|one more thing)\b"
+    r"(?i:\b(?P<word>now|next(?! to\b)|then|also|too|as well|same|moving on|on to|onto|new task|let'?s|after that|another thing|one more thing)\b"
     r"|^(?:.*[,.!:;\u2014]\s*)?(?:(?:and|so|but|or|ok|okay) )?(?P<question>how|what|where|when|why|which|who|is|are|does|do i|should|can i|could i)\b)"
 )
 
@@ -141,6 +151,12 @@ def imperative_cue(text: str) -> str | None:
     """The clause-opening edit verb of a user's message ("sign it ...", ", just drop ..."), or None."""
     match = _IMPERATIVE.search(text)
     return match.group(0).strip(" ,.!;:\u2014\u2013-") if match else None
+
+
+def redo_cue(text: str) -> str | None:
+    """The words of a user's message that ask for the answer again or another version of it, or None."""
+    match = _REDO.search(text)
+    return match.group(0).strip() if match else None
 
 
 def moves_on(text: str) -> str | None:
