@@ -84,7 +84,7 @@ def bench_judge(repeats: int) -> None:
 
     from ocrl.judge.embed import EmbedJudge, load_fit_cases
 
-    cases = load_fit_cases(Path(__file__).resolve().parents[2] / "tests" / "data" / "judge_heldout_4.jsonl")
+    cases = load_fit_cases(Path(__file__).resolve().parents[2] / "tests" / "data" / "judge_heldout_5.jsonl")
     judge = EmbedJudge.load()
     judge.classify("warm up", "user")
     judged, encoded = [], []

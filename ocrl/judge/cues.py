@@ -48,6 +48,7 @@ _FAILURE_CUES = (
     # quotas, rate limits, timeouts
     r"(?i:\bexceeded\b|\brate[- _]?limited\b|\brate[- _]?limit (?:reached|hit)\b|\btoo many requests\b|\bthrottl(?:ed|ing)\b|\bquota\b[^.\n]{0,30}\b(?:reached|full|used up)\b"
     r"|\blimit (?:reached|hit)\b|\btry again (?:later|in)\b|\btimed out\b|\btimeout (?:after|for|error|exceeded|expired)\b"
+    r"|(?im:^\s*time ?out\b(?!\s*(?:[=:]|(?:is|set|of|to)\b)))"
     r"|\bdid not (?:finish|complete|respond|return)\b|\bno response from\b|\bwithout (?:a )?response\b|(?<!\b0 )(?<!\bno )\bconflicts?\b)",
     # protocols: HTTP status lines and reason phrases, status fields, SMTP replies with enhanced codes, IMAP NO/BAD
     r"(?m:^\s*(?:HTTP/[\d.]+\s+|SMTP\s+)?[45]\d\d(?:\s+|\s*[-:]\s*)[A-Z])|\bHTTP/[\d.]+ [45]\d\d\b|\b[45]\d\d[ -][45]\.\d{1,3}\.\d{1,3}\b"
@@ -98,7 +99,8 @@ def tool_pending(text: str) -> str | None:
 # "still"). Not a feature: in `decide` a user message with one is +1 only when the head is sure,
 # since a change request read as approval would teach the policy the wrong thing.
 _EDIT_CUE = re.compile(
-    r"(?i:\b(?:but|instead|rather|actually|change|rename|replace|swap|switch|remove|drop|delete|shorten|lengthen|rewrite|redo|fix"
+    r"(?i:\b(?:pero|aber|sondern|mais|però|maar|mas|en vez de|en lugar de|statt|anstatt|au lieu de|invece di|em vez de|in plaats van)\b"
+    r"|\b(?:but|instead|rather|actually|change|rename|replace|swap|switch|remove|drop|delete|shorten|lengthen|rewrite|redo|fix"
     r"|again|still|wrong|not|no|nope|never|without|too|should|supposed|meant|asked|said|told)\b"
     r"|n't\b|\b(?:make|sign|call|title|address|put|turn|keep|write|do|give) (?:it|them|this|that|the \w+)\b"
     r"|\b(?:in|into|as) (?:a |an )?(?:english|spanish|french|german|italian|portuguese|dutch|polish|japanese|chinese|korean"
@@ -122,12 +124,23 @@ _EDIT_VERBS = (
     "reword reformat format bold italicize capitalize split merge spell round convert soften simplify skip leave lose try give "
     "write do call title turn label highlight reorder indent align wrap quote cite attach omit lower raise increase decrease bump "
     "set mark tone translate list less more shorter longer tag loop flip reverse tighten tweak adjust update edit clean link cap bump "
-    "mention name email"
+    "mention name email pull enable disable group exclude filter regenerate insert append prepend hide pin flag schedule reschedule "
+    "invite notify"
 ).split()
 _IMPERATIVE = re.compile(
-    r"(?i:(?:^|[,.!;:\u2014\u2013-]\s*|\b(?:just|pls|please|plz|and|but|then|(?:could|can|would|will) (?:you|u))\s+)"
+    r"(?i:(?:^|[,.!;:\u2014\u2013-]\s*|\b(?:just|maybe|perhaps|pls|please|plz|and|but|then|(?:could|can|would|will) (?:you|u))\s+)"
     r"(?:" + "|".join(re.escape(verb) for verb in _EDIT_VERBS) + r")\b"
-    r"|\b(?:could|can|would|will|should) (?:it|you|u|we) (?:be|have|rhyme|sound|read|say|include|mention|use|go|start|end)\b)"
+    r"|\b(?:could|can|would|will|should) (?:it|you|u|we) (?:be|have|rhyme|sound|read|say|include|mention|use|go|start|end)\b"
+    # a request form that opens a clause, or a closing "please" in the commonest languages
+    r"|(?:^|[,.!;:\u2014\u2013-]\s*)(?:(?:can|could|would|will) (?:you|u)|pls|plz|please)\b"
+    r"|\b(?:please|pls|plz|por favor|bitte|s'il (?:te|vous) pla[iî]t|per favore)\s*[.!]?\s*$)"
+)
+
+# A message that opens with thanks or praise: with a request in it, the request is what the user
+# wants changed ("Brilliant, cc my partner on it"); see `decide` in embed.py.
+_PRAISE = re.compile(
+    r"(?i:^\W*(?:thanks?|thank you|thx|ty|great|love it|loving it|perfect|nice|looks good|lgtm|brilliant|awesome|amazing|super"
+    r"|excellent|cool|appreciate it|gracias|danke|merci|grazie|obrigad[oa]|bedankt|parfait|perfecto|perfekt|genial)\b)"
 )
 
 # A request for the same thing again, or another version of it ("one more go?", "a second draft",
@@ -135,16 +148,24 @@ _IMPERATIVE = re.compile(
 _REDO = re.compile(
     r"(?i:\b(?:again|redo|retry|start over|from scratch|try that|another (?:version|go|try|take|shot|attempt|draft|option|pass|round)"
     r"|(?:second|new|different|fresh|alternative) (?:draft|version|take|attempt|try|go|options?|suggestions?)|alternatives"
-    r"|one more (?:go|try|time|attempt|shot|pass|round)|(?:next|other|more) (?:suggestions?|options|ideas)|(?:a |some )?other ones?)\b)"
+    r"|one more (?:go|try|time|attempt|shot|pass|round)|(?:next|other|more) (?:suggestions?|options|ideas)|(?:a |some )?other ones?"
+    r"|once more|nochmal|noch einmal|otra vez|de nuevo|encore une fois|di nuovo|da capo|opnieuw|outra vez|de novo)\b)"
 )
 
 # Signs that the user moves on to something new rather than asking for a change: a word of
 # sequence or addition ("now", "next", "also", "same for", "let's"), or a question that opens a
 # clause ("how do I ...", "what about ...").
 _MOVES_ON = re.compile(
-    r"(?i:\b(?P<word>now|next(?! to\b)|then|also|too|as well|same|moving on|on to|onto|new task|let'?s|after that|another thing|one more thing)\b"
+    r"(?i:\b(?P<word>now|next(?! to\b)|then|also|ahora|luego|también|jetzt|dann|danach|auch|maintenant|ensuite|aussi|adesso|poi|anche"
+    r"|agora|depois|também|nu|daarna|ook|too|as well|same|moving on|on to|onto|new task|let'?s|after that|another thing|one more thing)\b"
     r"|^(?:.*[,.!:;\u2014]\s*)?(?:(?:and|so|but|or|ok|okay) )?(?P<question>how|what|where|when|why|which|who|is|are|does|do i|should|can i|could i)\b)"
 )
+
+
+def praise_opening(text: str) -> str | None:
+    """The thanks or praise a user's message opens with, or None."""
+    match = _PRAISE.search(text)
+    return match.group(0).strip() if match else None
 
 
 def imperative_cue(text: str) -> str | None:

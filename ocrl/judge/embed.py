@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 import anyio
 import msgspec
 
-from ocrl.judge.cues import edit_cue, imperative_cue, moves_on, redo_cue, spell_emoji, tool_failure, tool_pending
+from ocrl.judge.cues import edit_cue, imperative_cue, moves_on, praise_opening, redo_cue, spell_emoji, tool_failure, tool_pending
 from ocrl.judge.votes import timed_verdict
 from ocrl.types import Verdict, Vote
 
@@ -182,12 +182,12 @@ class HeadSettings(msgspec.Struct, frozen=True):
     """How the head is fitted; part of the cache key. Chosen by cross-validation on the fit
     data only (see `cross_validate_cases`), never on the held-out cases."""
 
-    weight_decay: float = 1e-4  # 5-fold CV on the 2,576 fit cases: 0.9204 (3e-4: 0.9142, 3e-5: 0.9212 with 8 at +1)
+    weight_decay: float = 1e-4  # 5-fold CV on 2,576 fit cases: 0.9204 (3e-4: 0.9142, 3e-5: 0.9212 with 8 at +1)
     steps: int = 400
     lr: float = 0.05
     buckets: int = 4096  # hashed n-gram buckets (0: no lexical features)
     lexical_scale: float = 3.0
-    feature_version: int = 6  # bump when `features`, `spell_emoji` or a cue that is a feature changes
+    feature_version: int = 7  # bump when `features`, `spell_emoji` or a cue that is a feature changes
 
     def features(self, encode: Callable[[Sequence[str]], torch.Tensor], states: Sequence[tuple[str, str]]) -> torch.Tensor:
         return features(encode, states, buckets=self.buckets, lexical_scale=self.lexical_scale)
@@ -302,15 +302,18 @@ def decide(
     The best class wins when it leads the runner-up by at least `margin`, else 0. +1 is set
     aside for tool output with a failure sign (`tool_failure`) always, and for a user message
     that may ask for a change unless the head is sure. Such a message has a word of editing or
-    contrast (`edit_cue`), asks for the answer again (`redo_cue`), or has a clause that opens with
-    an edit verb (`imperative_cue`, read only when the message does not move on to a new request:
-    `moves_on`, which a redo request never does). In a message that moves on, p(+1) must reach
-    `edit_guard`; in one that does not, `strict_guard`; one with both an edit word and an edit
-    verb ("great, but swap steps 2 and 3") is never +1. Chosen by 5-fold cross-validation on the
-    2,576 fit cases: the single 0.7 guard on `edit_cue` alone scored 0.9200 with 10 corrections at
-    +1; these rules 0.9204 with 5 (without the redo cue 10; strict guard 0.97: 0.9196 with 5). A
-    like guard for tool output that reports no outcome yet cost accuracy and is not used:
-    `tool_pending` is a feature only."""
+    contrast (`edit_cue`), asks for the answer again (`redo_cue`), or has a request: a clause
+    that opens with an edit verb or a request form, or a closing "please" (`imperative_cue`,
+    read only when the message does not move on to a new request: `moves_on`, which a redo
+    request never does). In a message that moves on, p(+1) must reach `edit_guard`; in one that
+    does not, `strict_guard`; a request with an edit word ("great, but swap steps 2 and 3") or
+    after opening thanks or praise ("Brilliant, cc my partner on it": `praise_opening`) is never
+    +1. Chosen by 5-fold cross-validation on the fit cases: on 2,576 of them a single 0.7 guard on
+    `edit_cue` alone scored 0.920 with 10 corrections at +1, the two guards with the redo cue
+    0.920 with 5; on today's 3,213 (the fourth held-out set and 335 harder cases in other
+    languages and idioms added) those rules score 0.882 with 30, these 0.882 with 21. A like guard
+    for tool output that reports no outcome yet cost accuracy and is not used: `tool_pending` is
+    a feature only."""
     if role != "user":
         rule = tool_failure(next_state)
     else:
@@ -318,7 +321,8 @@ def decide(
         on = None if redo else moves_on(next_state)
         edit, verb = edit_cue(next_state), None if on else imperative_cue(next_state)
         cue = edit or redo or verb
-        limit = edit_guard if on else (float("inf") if edit and verb else strict_guard)
+        never = verb is not None and (edit is not None or praise_opening(next_state) is not None)
+        limit = edit_guard if on else (float("inf") if never else strict_guard)
         rule = cue if cue is not None and probs[1] < limit else None
     ranked = sorted(LABELS, key=probs.__getitem__, reverse=True)
     if rule is not None and ranked[0] == 1:
@@ -414,7 +418,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(prog="python -m ocrl.judge.embed", description=main.__doc__)
     data = Path(__file__).resolve().parents[2] / "tests" / "data"
-    parser.add_argument("cases", nargs="*", default=[str(data / "judge_heldout_4.jsonl"), str(data / "prm_cases.jsonl")])
+    parser.add_argument("cases", nargs="*", default=[str(data / "judge_heldout_5.jsonl"), str(data / "prm_cases.jsonl")])
     parser.add_argument("--cv", action="store_true", help="5-fold cross-validation of the judge on the fit data instead")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
