@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from ocrl.judge import cues
 from ocrl.judge import embed as embed_judge
 from ocrl.judge.embed import EmbedJudge, HeadSettings, fit_head, load_fit_cases, units
 from ocrl.judge.cases import evaluate, load_cases
@@ -106,13 +107,18 @@ def test_imperative_cues_and_signs_of_moving_on():
     # a word of sequence or addition, or a question that opens a clause
     for text, sign in [("Great, now write the intro", "now"), ("next: the login page", "next"), ("Can you do Italian as well?", "as well"),
                        ("ok, and how do I do that on windows?", "how"), ("same for the March numbers", "same")]:
-        assert embed_judge.moves_on(text) == sign, text
+        assert cues.moves_on(text) == sign, text
     for text in ["cc Maria on it", "make it shorter", "love it, just drop the last line", "thanks!"]:
-        assert embed_judge.moves_on(text) is None, text
-    assert embed_judge.moves_on("put the charts next to their sections") is None  # "next to" is a place
+        assert cues.moves_on(text) is None, text
+    assert cues.moves_on("put the charts next to their sections") is None  # "next to" is a place
+    # what comes before the first sign of moving on is the verdict on the answer ("too" is a sign
+    # only where it closes a clause; "next time" is not one)
+    assert cues.verdict_part("That's too long for me. Next: how do I boil an egg?") == ("That's too long for me. ", "Next")
+    assert cues.verdict_part("No markdown next time please. Who wrote Hamlet?") == ("No markdown next time please. ", "Who")
+    assert cues.verdict_part("thanks") == ("thanks", None)
     # the commonest words of contrast, of moving on and of asking again in other languages
     assert embed_judge.edit_cue("perfecto, pero usa ustedes") == "pero" and embed_judge.edit_cue("super, aber kürzer") == "aber"
-    assert embed_judge.moves_on("vale, ahora busca un hotel") == "ahora" and embed_judge.moves_on("merci, maintenant le résumé") == "maintenant"
+    assert cues.moves_on("vale, ahora busca un hotel") == "ahora" and cues.moves_on("merci, maintenant le résumé") == "maintenant"
     assert embed_judge.redo_cue("nochmal bitte") == "nochmal" and embed_judge.redo_cue("otra vez, por favor") == "otra vez"
     # a request for the answer again or another version of it
     for text, words in [("one more go?", "one more go"), ("let's have a second draft", "second draft"), ("try again pls", "again"),
@@ -204,6 +210,8 @@ def test_a_user_edit_cue_keeps_plus_one_away_unless_the_head_is_sure():
     assert embed_judge.decide(fairly_sure, "love it, just drop the RSVP line", "user") == (-1, "drop")
     sure = {1: 0.97, -1: 0.02, 0: 0.01}
     assert embed_judge.decide(sure, "thanks, but no rush on the rest", "user") == (1, None)  # head sure enough
+    # an edit word in the verdict before moving on keeps the strict guard: a complaint, then the next task
+    assert embed_judge.decide(fairly_sure, "That's too long for me. Next: how do I boil an egg?", "user") == (-1, "too")
     # a redo request never moves on, whatever its words of sequence ("next", "let's")
     assert embed_judge.decide(fairly_sure, "let's have a second draft", "user") == (-1, "second draft")
     # thanks or praise, then a request: never +1

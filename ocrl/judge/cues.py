@@ -119,12 +119,12 @@ def edit_cue(text: str) -> str | None:
 # change without any word of contrast. Also how they ask for a new task ("write the intro"), so
 # it counts only in a message with no sign of moving on (`moves_on`).
 _EDIT_VERBS = (
-    "add remove drop delete cut trim shorten lengthen expand condense make use sign address cc bcc order sort start begin end open "
-    "close put move swap switch change replace rename include mention say keep recheck check double-check fix redo rewrite rephrase "
+    "add remove drop delete cut trim shorten lengthen expand condense make use sign address cc bcc order sort start begin end "
+    "put move swap switch change replace rename include mention say keep recheck check double-check fix redo rewrite rephrase "
     "reword reformat format bold italicize capitalize split merge spell round convert soften simplify skip leave lose try give "
     "write do call title turn label highlight reorder indent align wrap quote cite attach omit lower raise increase decrease bump "
-    "set mark tone translate list less more shorter longer tag loop flip reverse tighten tweak adjust update edit clean link cap bump "
-    "mention name email pull enable disable group exclude filter regenerate insert append prepend hide pin flag schedule reschedule "
+    "set mark tone translate list less more shorter longer tag loop flip reverse tighten tweak adjust update edit bump "
+    "mention pull enable disable group exclude filter regenerate insert append prepend hide pin flag schedule reschedule "
     "invite notify"
 ).split()
 _IMPERATIVE = re.compile(
@@ -155,10 +155,14 @@ _REDO = re.compile(
 # Signs that the user moves on to something new rather than asking for a change: a word of
 # sequence or addition ("now", "next", "also", "same for", "let's"), or a question that opens a
 # clause ("how do I ...", "what about ...").
-_MOVES_ON = re.compile(
-    r"(?i:\b(?P<word>now|next(?! to\b)|then|also|ahora|luego|también|jetzt|dann|danach|auch|maintenant|ensuite|aussi|adesso|poi|anche"
-    r"|agora|depois|também|nu|daarna|ook|too|as well|same|moving on|on to|onto|new task|let'?s|after that|another thing|one more thing)\b"
-    r"|^(?:.*[,.!:;\u2014]\s*)?(?:(?:and|so|but|or|ok|okay) )?(?P<question>how|what|where|when|why|which|who|is|are|does|do i|should|can i|could i)\b)"
+_MOVES_ON = (
+    re.compile(
+        r"(?i:\b(now|next(?! to\b| time\b)|then|also|ahora|luego|también|jetzt|dann|danach|auch|maintenant|ensuite|aussi|adesso|poi|anche"
+        r"|agora|depois|também|nu|daarna|ook|too(?=\s*(?:[?.!,]|$))|as well|same|moving on|on to|onto|new task|let'?s|after that|another thing|one more thing)\b)"
+    ),
+    re.compile(
+        r"(?i:(?:^|[,.!:;\u2014]\s*)(?:(?:and|so|but|or|ok|okay) )?(how|what|where|when|why|which|who|is|are|does|do i|should|can i|could i)\b)"
+    ),
 )
 
 
@@ -183,8 +187,17 @@ def redo_cue(text: str) -> str | None:
 def moves_on(text: str) -> str | None:
     """The first sign that a user's message moves on to a new request ("now", "next", "also",
     "how do I ..."), or None."""
-    match = _MOVES_ON.search(text)
-    return (match.group("word") or match.group("question")) if match else None
+    return verdict_part(text)[1]
+
+
+def verdict_part(text: str) -> tuple[str, str | None]:
+    """The part of a user's message before its first sign of moving on (the part that speaks of
+    the previous answer; the whole message when it does not move on), and that sign or None."""
+    matches = [match for pattern in _MOVES_ON if (match := pattern.search(text))]
+    if not matches:
+        return text, None
+    first = min(matches, key=lambda match: match.start(1))
+    return text[: first.start(1)], first.group(1)
 
 
 _EMOJI_RANGES = ((0x2600, 0x27BF), (0x2B00, 0x2BFF), (0x1F000, 0x1FAFF))  # symbols, dingbats, emoji blocks

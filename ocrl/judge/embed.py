@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 import anyio
 import msgspec
 
-from ocrl.judge.cues import edit_cue, imperative_cue, moves_on, praise_opening, redo_cue, spell_emoji, tool_failure, tool_pending
+from ocrl.judge.cues import edit_cue, imperative_cue, praise_opening, redo_cue, spell_emoji, tool_failure, tool_pending, verdict_part
 from ocrl.judge.votes import timed_verdict
 from ocrl.types import Verdict, Vote
 
@@ -304,9 +304,10 @@ def decide(
     that may ask for a change unless the head is sure. Such a message has a word of editing or
     contrast (`edit_cue`), asks for the answer again (`redo_cue`), or has a request: a clause
     that opens with an edit verb or a request form, or a closing "please" (`imperative_cue`,
-    read only when the message does not move on to a new request: `moves_on`, which a redo
-    request never does). In a message that moves on, p(+1) must reach `edit_guard`; in one that
-    does not, `strict_guard`; a request with an edit word ("great, but swap steps 2 and 3") or
+    read only when the message does not move on to a new request: `verdict_part`, which a redo
+    request never does). In a message that moves on with no edit word before it (in the part
+    that speaks of the answer), p(+1) must reach `edit_guard`; otherwise `strict_guard` ("That's
+    too long for me. Next: ..." is a complaint, whatever follows); a request with an edit word ("great, but swap steps 2 and 3") or
     after opening thanks or praise ("Brilliant, cc my partner on it": `praise_opening`) is never
     +1. Chosen by 5-fold cross-validation on the fit cases: on 2,576 of them a single 0.7 guard on
     `edit_cue` alone scored 0.920 with 10 corrections at +1, the two guards with the redo cue
@@ -318,11 +319,13 @@ def decide(
         rule = tool_failure(next_state)
     else:
         redo = redo_cue(next_state)
-        on = None if redo else moves_on(next_state)
+        before, on = (next_state, None) if redo else verdict_part(next_state)
         edit, verb = edit_cue(next_state), None if on else imperative_cue(next_state)
         cue = edit or redo or verb
         never = verb is not None and (edit is not None or praise_opening(next_state) is not None)
-        limit = edit_guard if on else (float("inf") if never else strict_guard)
+        # moving on relaxes the guard only for edit words in the new request, not in the verdict before it
+        relaxed = on is not None and edit_cue(before) is None
+        limit = edit_guard if relaxed else (float("inf") if never else strict_guard)
         rule = cue if cue is not None and probs[1] < limit else None
     ranked = sorted(LABELS, key=probs.__getitem__, reverse=True)
     if rule is not None and ranked[0] == 1:
