@@ -66,6 +66,23 @@ def check_access(config: Config) -> None:
         )
 
 
+def check_checkpoints(config: Config) -> None:
+    """A run that trains from the model as loaded refuses a checkpoint dir that holds an earlier
+    run's checkpoints: its own step-N would sit beside them, and a later --resume (or a trainer
+    actor that Ray restarts) would take whichever step is highest, the earlier run's included."""
+    from ocrl.train import checkpoint
+
+    if config.no_train or config.resume or not (config.record_dir or config.save_dir):
+        return  # a run without --record-dir/--save-dir gets a new run dir
+    directory = checkpoint.directory(config.save_dir, config.record_dir)
+    found = checkpoint.checkpoints(directory)
+    if found:
+        raise ConfigError(
+            f"{directory} holds checkpoints of an earlier run (newest {found[-1].name}): pass --resume to go on from it, "
+            "or a new --record-dir (or --save-dir) to start over from the model"
+        )
+
+
 class Daemon:
     def __init__(self, config: Config):
         self.config = config
@@ -397,6 +414,7 @@ class Daemon:
 
 async def serve(config: Config) -> None:
     check_access(config)
+    check_checkpoints(config)
     daemon = Daemon(config)
     if config.headless or not sys.stdout.isatty():
         await daemon.build()

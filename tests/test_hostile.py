@@ -12,7 +12,7 @@ import pytest
 
 from ocrl import guard
 from ocrl.config import Config, ConfigError
-from ocrl.daemon import check_access
+from ocrl.daemon import check_access, check_checkpoints
 
 
 def _post(daemon, path: str, body: bytes, **headers) -> httpx.Response:
@@ -50,6 +50,31 @@ def test_loopback_hosts_still_need_no_key():
     for host in ("127.0.0.1", "localhost", "::1", "[::1]"):
         assert guard.is_loopback(host)
         check_access(Config(host=host))
+
+
+def test_a_fresh_run_refuses_the_checkpoints_of_an_earlier_one(tmp_path):
+    """Training from the model as loaded into a checkpoint dir that holds an earlier run's step-7
+    would leave that step-7 the newest for a later --resume (or a restarted trainer actor)."""
+    import subprocess
+    import sys
+
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step-7").mkdir(parents=True)
+    (run / "checkpoints" / "step-7" / "state.json").write_text("{}")
+    with pytest.raises(ConfigError, match="step-7.*--resume"):
+        check_checkpoints(Config(record_dir=str(run)))
+    with pytest.raises(ConfigError, match="--resume"):  # --save-dir names the same place
+        check_checkpoints(Config(record_dir=str(tmp_path / "other"), save_dir=str(run / "checkpoints")))
+    check_checkpoints(Config(record_dir=str(run), resume=True))  # going on from it
+    check_checkpoints(Config(record_dir=str(run), no_train=True))  # nothing trained, nothing written
+    check_checkpoints(Config(record_dir=str(tmp_path / "new")))
+    (run / "checkpoints" / "step-7" / "state.json").unlink()  # an incomplete one is not a checkpoint
+    check_checkpoints(Config(record_dir=str(run)))
+    (run / "checkpoints" / "step-7" / "state.json").write_text("{}")
+    # as a user meets it: refused before the model loads, exit 2, the reason on stderr
+    done = subprocess.run([sys.executable, "-m", "ocrl", "serve", "--headless", "--record-dir", str(run)],
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 2 and "--resume" in done.stderr and "step-7" in done.stderr, done.stderr[-500:]
 
 
 # -- browsers -----------------------------------------------------------------------------
