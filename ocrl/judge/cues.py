@@ -1,9 +1,10 @@
 """Cheap textual cues the embed judge reads beside the embeddings: a tool message that shows a
-failure (`tool_failure`), one with no outcome yet (`tool_pending`), a user message that asks for
-an edit of the previous answer (`edit_cue`, `imperative_cue`) or moves on to a new request
-(`moves_on`), and emoji spelt out as words for the encoder
-(`spell_emoji`). Each returns the matched text (or the rewritten text) and knows nothing of the
-head, its fit or its decision rule (embed.py).
+failure (`tool_failure`), one with no outcome yet (`tool_pending`); a user message that asks for
+an edit of the previous answer (`edit_cue`, `imperative_cue`) or for it again (`redo_cue`), that
+opens with thanks or praise (`praise_opening`), or moves on to a new request (`verdict_part`,
+`moves_on`); and emoji spelt out as words for the encoder (`spell_emoji`). Each returns the
+matched text (or the rewritten text) and knows nothing of the head, its fit or its decision
+rule (embed.py).
 """
 
 from __future__ import annotations
@@ -123,8 +124,8 @@ _EDIT_VERBS = (
     "put move swap switch change replace rename include mention say keep recheck check double-check fix redo rewrite rephrase "
     "reword reformat format bold italicize capitalize split merge spell round convert soften simplify skip leave lose try give "
     "write do call title turn label highlight reorder indent align wrap quote cite attach omit lower raise increase decrease bump "
-    "set mark tone translate list less more shorter longer tag loop flip reverse tighten tweak adjust update edit bump "
-    "mention pull enable disable group exclude filter regenerate insert append prepend hide pin flag schedule reschedule "
+    "set mark tone translate list less more shorter longer tag loop flip reverse tighten tweak adjust update edit "
+    "pull enable disable group exclude filter regenerate insert append prepend hide pin flag schedule reschedule "
     "invite notify"
 ).split()
 _IMPERATIVE = re.compile(

@@ -307,9 +307,9 @@ def decide(
     read only when the message does not move on to a new request: `verdict_part`, which a redo
     request never does). In a message that moves on with no edit word before it (in the part
     that speaks of the answer), p(+1) must reach `edit_guard`; otherwise `strict_guard` ("That's
-    too long for me. Next: ..." is a complaint, whatever follows); a request with an edit word ("great, but swap steps 2 and 3") or
-    after opening thanks or praise ("Brilliant, cc my partner on it": `praise_opening`) is never
-    +1. Chosen by 5-fold cross-validation on the fit cases: on 2,576 of them a single 0.7 guard on
+    too long for me. Next: ..." is a complaint, whatever follows); a request with an edit word
+    ("great, but swap steps 2 and 3") or after opening thanks or praise ("Brilliant, cc my
+    partner on it": `praise_opening`) is never +1. Chosen by 5-fold cross-validation on the fit cases: on 2,576 of them a single 0.7 guard on
     `edit_cue` alone scored 0.920 with 10 corrections at +1, the two guards with the redo cue
     0.920 with 5; on today's 3,213 (the fourth held-out set and 335 harder cases in other
     languages and idioms added) those rules score 0.882 with 30, these 0.882 with 21. A like guard
