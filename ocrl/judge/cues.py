@@ -1,10 +1,9 @@
-"""Cheap textual cues the embed judge reads beside the embeddings: a tool message that shows a
-failure (`tool_failure`), one with no outcome yet (`tool_pending`); a user message that asks for
+"""Cheap textual cues the embed judge's decision rule (`decide` in embed.py) reads beside the
+classifier: a tool message that shows a failure (`tool_failure`); a user message that asks for
 an edit of the previous answer (`edit_cue`, `imperative_cue`) or for it again (`redo_cue`), that
 opens with thanks or praise (`praise_opening`), or moves on to a new request (`verdict_part`,
 `moves_on`); and emoji spelt out as words for the encoder (`spell_emoji`). Each returns the
-matched text (or the rewritten text) and knows nothing of the head, its fit or its decision
-rule (embed.py).
+matched text (or the rewritten text) and knows nothing of the classifier, its fit or the rule.
 """
 
 from __future__ import annotations
@@ -12,9 +11,9 @@ from __future__ import annotations
 import re
 import unicodedata
 
-# Cheap evidence of a failed tool call: a feature of the head, and a tool message that shows one
-# is never scored +1 (an error read as success would train the policy the wrong way). Written
-# from the kinds of failure that tools print, by ecosystem, not from any case a judge missed:
+# Cheap evidence of a failed tool call: a tool message that shows one is never scored +1 (an
+# error read as success would train the policy the wrong way). Written from the kinds of failure
+# that tools print, by ecosystem, not from any case a judge missed:
 _FAILURE_CUES = (
     # runtimes: exception names, tracebacks and stack frames (Python, Java, Node), panics (Go, Rust)
     r"Traceback \(most recent call last\)|(?<!\b0 )\b\w*(?:Error|Exception)\b|\w+Timeout\b"
@@ -69,35 +68,9 @@ def tool_failure(text: str) -> str | None:
 
 
 
-# Tool output that reports no outcome yet: work accepted, queued or under way, or a search or
-# listing that came back empty (an empty result reported without an error is 0, not -1: see the
-# fit data's labelling rule in the README). A feature of the head (5-fold cross-validation on the
-# 1566 fit cases: 0.912 -> 0.925 accuracy of the head). Written from the kind's description, by form:
-_PENDING_CUES = (
-    # accepted, queued, under way
-    r"(?i:\b(?:queued|enqueued|pending|in[ _-]?progress|progress|processing|submitted|initiated|waiting|polling|please wait"
-    r"|check back|in (?:the )?(?:queue|line)|position \d+|will be (?:emailed|sent|notified|ready|available)|will (?:email|notify)"
-    r"|when (?:it's|it is|it) (?:ready|done|complete[sd]?)|still)\b)",
-    # a progress figure or bar, a line that trails off
-    r"(?<![+\-.\d])\b\d{1,2}(?:\.\d+)?%|\|[█▉▊▋▌▍▎▏#=\- ]{3,}\||\[[#=.>\- ]{3,}\]|(?m:(?:\.\.\.|…)\s*$)",
-    # an empty result set or no output
-    r"(?i:\b(?:0|zero|no)\s+(?:\w+\s+)?(?:results?|matches|matching|hits|items|records|rows|entries|events|meetings|messages|emails|files|documents)\b"
-    r"|\bdid not match any\b|\bempty\b|\bno (?:output|stdout)\b)"
-    r"|(?m:^\s*(?:\[\s*\]|\{\s*\}|null|\"\"|0)\s*$)|\"\w+\"\s*:\s*\[\]",
-)
-_TOOL_PENDING = re.compile("|".join(f"(?:{cue})" for cue in _PENDING_CUES))
-
-
-def tool_pending(text: str) -> str | None:
-    """The first sign that tool output reports no outcome yet (queued, under way, an empty
-    result), or None."""
-    match = _TOOL_PENDING.search(text)
-    return match.group(0).strip() if match else None
-
-
 # A user's words that ask for the previous answer to change: a contrast ("but", "instead"), a
 # negation, an edit verb aimed at the answer ("make it", "sign it", "change"), a repeat ("again",
-# "still"). Not a feature: in `decide` a user message with one is +1 only when the head is sure,
+# "still"). In `decide` a user message with one is +1 only when the classifier is sure,
 # since a change request read as approval would teach the policy the wrong thing.
 _EDIT_CUE = re.compile(
     r"(?i:\b(?:pero|aber|sondern|mais|però|maar|mas|en vez de|en lugar de|statt|anstatt|au lieu de|invece di|em vez de|in plaats van)\b"
