@@ -265,13 +265,22 @@ def judge():
 
 
 async def test_blind_held_out_accuracy_floor(judge):
-    cases = load_cases(DATA / "judge_heldout_5.jsonl")
+    cases = load_cases(DATA / "judge_heldout_6.jsonl")
     report = await evaluate(judge, cases)
-    # The fifth held-out set: written blind by one engineer while another built the seventh
-    # candidate without seeing it (fit lines that were near copies of its cases were dropped by
-    # count, unread), committed before any judge was scored on it, and scored once: 252/305 =
-    # 0.826 with 5 corrections or tool errors at +1 (the fifth and sixth candidates, scored on
-    # it afterwards: 0.797 with 11 and 0.807 with 12). The bar is 0.92 with none; the
-    # floor guards against a regression, it is not the target.
-    assert report["accuracy"] >= 0.82, report["misses"]
-    assert report["confusion"][-1][1] <= 5, report["misses"]
+    # The sixth held-out set: written blind by one engineer while another built the eighth
+    # candidate without seeing it (5 fit lines that were near copies of its cases were dropped by
+    # count, unread), committed before any judge was scored on it, and scored once: 293/325 =
+    # 0.902 with 2 corrections or tool errors at +1 (the seventh candidate, scored on it
+    # afterwards: 0.855 with 2). The bar is 0.92 with none; the floor guards against a
+    # regression, it is not the target.
+    assert report["accuracy"] >= 0.90, report["misses"]
+    assert report["confusion"][-1][1] <= 2, report["misses"]
+
+
+async def test_spent_fifth_set_floor(judge):
+    # The fifth held-out set (spent: the eighth candidate's new fit cases were written on what
+    # the seventh missed there): 0.826 with 5 at +1 for the seventh candidate, 0.911 with 1 for
+    # the eighth. A regression guard.
+    report = await evaluate(judge, load_cases(DATA / "judge_heldout_5.jsonl"))
+    assert report["accuracy"] >= 0.90, report["misses"]
+    assert report["confusion"][-1][1] <= 1, report["misses"]
