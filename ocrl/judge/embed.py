@@ -308,12 +308,18 @@ def decide(
     word before it (in the part that speaks of the answer), p(+1) must reach `edit_guard`;
     otherwise `strict_guard` ("That's too long for me. Next: ..." is a complaint, whatever
     follows); a request with an edit word ("great, but swap steps 2 and 3") or after opening
-    thanks or praise ("Brilliant, cc my partner on it": `praise_opening`) is never +1. Chosen by
+    thanks or praise ("Brilliant, cc my partner on it": `praise_opening`), a request for the
+    answer again, and a verdict with an edit word before moving on ("No formatting please.
+    Moving on: ...") are never +1. Chosen by
     5-fold cross-validation on the fit cases, first for a linear head over frozen embeddings
     (on 2,576 cases a single 0.7 guard on `edit_cue` alone scored 0.920 with 10 corrections at
     +1, the two guards with the redo cue 0.920 with 5), then kept for the fine-tuned classifier:
     on its out-of-fold probabilities over 3,608 cases they take the corrections at +1 from 78
-    (argmax) to 29 for 0.2 points of accuracy, and no other setting of the guards did better."""
+    (argmax) to 29 for 0.2 points of accuracy, and no other setting of the guards did better.
+    The last two "never" cases came after the ninth candidate: its classifier read the simulated
+    users' complaints followed by the next task as +1 at p >= 0.95 (13 of the mixed lines of
+    `test_simulate`; none with them); they cost 0.2 points on the out-of-fold probabilities
+    (0.900, 28 at +1) and 0.3 on the spent seventh set (0.905 -> 0.902, none at +1)."""
     if role != "user":
         rule = tool_failure(next_state)
     else:
@@ -321,9 +327,13 @@ def decide(
         before, on = (next_state, None) if redo else verdict_part(next_state)
         edit, verb = edit_cue(next_state), None if on else imperative_cue(next_state)
         cue = edit or redo or verb
-        never = verb is not None and (edit is not None or praise_opening(next_state) is not None)
         # moving on relaxes the guard only for edit words in the new request, not in the verdict before it
         relaxed = on is not None and edit_cue(before) is None
+        never = (
+            (verb is not None and (edit is not None or praise_opening(next_state) is not None))
+            or redo is not None
+            or (on is not None and not relaxed)
+        )
         limit = edit_guard if relaxed else (float("inf") if never else strict_guard)
         rule = cue if cue is not None and probs[1] < limit else None
     ranked = sorted(LABELS, key=probs.__getitem__, reverse=True)
