@@ -283,7 +283,7 @@ def load_or_fit(
         classifier.load_state_dict(load_file(str(path)))
         return classifier
     cases = load_fit_cases(data_path)
-    log.info("embed judge: fine-tuning on %d labelled cases (first use on this box; cached after)", len(cases))
+    log.info("embed judge: fine-tuning on %d labelled cases (first use of this data on this box; cached after)", len(cases))
     started = time.perf_counter()
     fit(classifier, cases, lambda line: log.info("embed judge: %s", line))
     path.parent.mkdir(parents=True, exist_ok=True)
