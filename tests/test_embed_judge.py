@@ -110,6 +110,12 @@ def test_the_classifier_is_fitted_once_then_read_from_the_cache(tmp_path, monkey
     embed_judge.load_or_fit(path, settings, data)
     assert fits == [8, 9]  # new data, new fit
     assert len(list((tmp_path / "embed-judge").glob("*.safetensors"))) == 2
+    newest = []
+    for extra in ("great", "thx", "wrong again"):
+        data.write_text(data.read_text() + json.dumps({"next_state": extra, "role": "user", "expected": 1}) + "\n")
+        newest.append(embed_judge.cache_path(embed_judge.load_or_fit(path, settings, data), data.read_bytes()))
+    # only the newest few fitted classifiers stay (each is ~87 MiB)
+    assert sorted((tmp_path / "embed-judge").glob("*.safetensors")) == sorted(newest[-embed_judge.KEEP_CACHED :])
 
 
 def test_a_tool_failure_is_never_scored_plus_one():

@@ -262,6 +262,9 @@ def cross_validate(
     }
 
 
+KEEP_CACHED = 3  # fitted classifiers kept in the cache
+
+
 def cache_path(classifier: Classifier, data: bytes) -> Path:
     from ocrl.models import cache_root
 
@@ -291,6 +294,12 @@ def load_or_fit(
     save_file(classifier.state_dict(), str(partial))
     os.replace(partial, path)
     log.info("embed judge: fine-tuned in %.0fs, cached at %s", time.perf_counter() - started, path)
+    # each revision of the fit data leaves ~87 MiB: keep the newest few (another checkout on the
+    # box may use an older one), drop the rest
+    cached = sorted(path.parent.glob("judge-*.safetensors"), key=lambda old: old.stat().st_mtime_ns, reverse=True)
+    for old in cached[KEEP_CACHED:]:
+        if old != path:
+            old.unlink(missing_ok=True)
     return classifier
 
 
