@@ -244,11 +244,16 @@ async def learn_once(
                 finally:
                     limiter.release()
 
+            drained = anyio.Event()
+
             async def probes() -> None:
+                # every `probe_every` steps, through the traffic and the drain after it; a probe
+                # in flight when the drain ends is finished, not cancelled
                 next_probe = probe_every
-                while True:
-                    await anyio.sleep(0.5)
-                    if daemon.trainer.steps >= next_probe:
+                while not drained.is_set():
+                    with anyio.move_on_after(0.5):
+                        await drained.wait()
+                    if not drained.is_set() and daemon.trainer.steps >= next_probe:
                         next_probe = daemon.trainer.steps + probe_every
                         await measure(f"step-{daemon.trainer.steps}")
 
@@ -263,11 +268,11 @@ async def learn_once(
                             break
                         sessions.start_soon(one, i)
                         i += 1
-                watch.cancel_scope.cancel()
-            # let the trainer take the step its queue already holds, then the final probe
-            with anyio.move_on_after(600):
-                while daemon.trainer.pending >= config.rollout_batch_size:
-                    await anyio.sleep(0.5)
+                # let the trainer take the steps its queue already holds, then the final probe
+                with anyio.move_on_after(600):
+                    while daemon.trainer.pending >= config.rollout_batch_size:
+                        await anyio.sleep(0.5)
+                drained.set()
             await measure("final")
             summary = {
                 "persona": persona.name, "baseline": rows[0]["pass_rate"], "final": rows[-1]["pass_rate"],
