@@ -54,7 +54,7 @@ def distilled_share(run_dir: Path) -> float:
     return sum(r.get("teacher_prompt_ids") is not None for r in rows) / max(1, len(rows))
 
 
-def _figure(path: Path, title: str, draw) -> None:
+def _figure(path: Path, title: str, draw, xlabel: str = "main turns") -> None:
     """One pass-rate chart: `draw(ax)` plots the lines, this styles and saves it."""
     try:
         import matplotlib
@@ -66,7 +66,7 @@ def _figure(path: Path, title: str, draw) -> None:
         return
     fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
     draw(ax)
-    ax.set_xlabel("main turns")
+    ax.set_xlabel(xlabel)
     ax.set_ylim(0, 1)
     ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)
@@ -77,13 +77,18 @@ def _figure(path: Path, title: str, draw) -> None:
 
 
 def plot(rows: list[dict], path: Path, title: str) -> None:
+    """Pass rate by training step (most steps of a CPU run come after the traffic, in the drain,
+    where main turns no longer move); each point is labelled with its main turns."""
+
     def draw(ax) -> None:
-        ax.plot([r["main_turns"] for r in rows], [r["pass_rate"] for r in rows], "o-", label="probe pass rate (hidden rule)")
-        rewarded = [(r["main_turns"], r["reward_mean"]) for r in rows if r.get("reward_mean") is not None]
+        ax.plot([r["step"] for r in rows], [r["pass_rate"] for r in rows], "o-", label="probe pass rate (hidden rule)")
+        for r in rows:
+            ax.annotate(f"{r['main_turns']}", (r["step"], r["pass_rate"]), textcoords="offset points", xytext=(0, 6), fontsize=7, ha="center")
+        rewarded = [(r["step"], r["reward_mean"]) for r in rows if r.get("reward_mean") is not None]
         if rewarded:
             ax.plot([t for t, _ in rewarded], [(m + 1) / 2 for _, m in rewarded], "s--", label="(mean reward + 1) / 2, last step")
 
-    _figure(path, title, draw)
+    _figure(path, title, draw, xlabel="training steps (points labelled with main turns)")
 
 
 async def bench_learn(
