@@ -250,6 +250,8 @@ def test_failure_cues_by_kind_of_tool_output():
         '{"exit_code": 124, "stdout": "scanned 18 files", "stderr": "", "timed_out": true}',  # an exit code as a JSON field
         '{"returncode": 2}',
         '{"timed_out": true}',
+        "web1 : ok=3 changed=0 unreachable=1 failed=0 skipped=0",  # the same recap with a host down
+        "web1 : ok=3 changed=0 unreachable=0 failed=2 skipped=0",
     ]
     for text in failures:
         assert embed_judge.tool_failure(text) is not None, text
@@ -266,6 +268,8 @@ def test_failure_cues_by_kind_of_tool_output():
         "412M\tnode_modules",  # du -sh: a size, not a status code
         "Timeout: 30s",  # a setting, not an outcome
         '{"exit_code": 0, "stdout": "ok", "timed_out": false}',
+        "web1 : ok=12 changed=3 unreachable=0 failed=0 skipped=1 rescued=0 ignored=0",  # an Ansible recap: zero counts as key=value
+        "errors=0 warnings=2",
     ]
     for text in successes:
         assert embed_judge.tool_failure(text) is None, text
@@ -287,7 +291,8 @@ async def test_blind_held_out_accuracy_floor(judge):
     # count, unread), committed before any judge was scored on it, and scored once: 294/325 =
     # 0.905 with no correction or tool error at +1 (scored on it afterwards: the eighth
     # candidate 0.883 with none, the seventh 0.828 with 3; the tenth, the ninth's classifier
-    # with a stricter rule, 0.902 with none). The bar is 0.92 with none; the floor
+    # with a stricter rule, 0.902 with none; 0.905 once `key=0` counts stopped reading as
+    # failures). The bar is 0.92 with none; the floor
     # guards against a regression, it is not the target.
     assert report["accuracy"] >= 0.90, report["misses"]
     assert report["confusion"][-1][1] == 0, report["misses"]

@@ -19,11 +19,11 @@ _FAILURE_CUES = (
     r"Traceback \(most recent call last\)|(?<!\b0 )\b\w*(?:Error|Exception)\b|\w+Timeout\b"
     r"|\bpanic:|\bpanicked\b|\bgoroutine \d+ \[|(?m:^\s+at [\w$.<>]+ ?\(.*:\d+\)?\)?\s*$)",
     # words that report a failure, and exit codes (bare, or as JSON fields an agent's tool wraps them in)
-    r"(?<!\b0 )(?<!\bno )\b(?i:errors?|err!)(?![\w-]|\.\w)(?!\"?\s*:\s*(?:null|\[\]|\{\}|\"\"|false|0\b))"
+    r"(?<!\b0 )(?<!\bno )\b(?i:errors?|err!)(?![\w-]|\.\w)(?!\"?\s*[:=]\s*(?:null|\[\]|\{\}|\"\"|false|0\b))"
     r"|(?i:\b(?:exit(?:ed)?(?: with)?(?: code| status)?|non-zero exit status|returned non-zero(?: exit)?(?: status)?)\s*:?\s*[1-9])"
     r"|(?i:\b(?:rc|exit_?code|exit_?status|return_?code|returncode)\"?\s*[=:]\s*\"?[1-9])|(?i:\btimed_?out\"?\s*[=:]\s*true\b)"
     r"|\bfatal:|\bFATAL\b|\bFAILED\b|\bFAILURE\b|\bKilled\b|\b[1-9]\d* failed\b|\bCrashLoopBackOff\b|\bOOMKilled\b"
-    r"|(?i:(?<!\b0 )\bfailed\b(?!:?\s*0\b)|(?<!\b0 )(?<!\bno )\bfailures?\b(?!:?\s*0\b)|\baborted\b|\bcrashed\b|\brejected\b|\bdeclined\b|\binsufficient\b|\bgiving up\b|\bgave up\b|\bunable to\b"
+    r"|(?i:(?<!(?<![=:])\b0 )\bfailed\b(?![:=]?\s*0\b)|(?<!(?<![=:])\b0 )(?<!\bno )\bfailures?\b(?![:=]?\s*0\b)|\baborted\b|\bcrashed\b|\brejected\b|\bdeclined\b|\binsufficient\b|\bgiving up\b|\bgave up\b|\bunable to\b"
     r"|\bcould not\b|\bcouldn't\b|\bcannot\b|\bcan't\b|\binvalid\b|\bunknown (?:command|option|host|user)\b|\bunsupported\b)"
     r"|(?i:\bsegmentation fault\b|\bcore dumped\b|\bno space left\b|\bno free space\b|\bout of memory\b|\bunavailable\b|\bmismatch\b"
     r"|\bunrecognized\b|\bunresolved\b|\bunexpected\b|\brolled back\b|\brevoked\b|\brestricted\b|\bread-only\b|\bview-only\b|(?<!\b0 )(?<!\bno )\bbroke(?:n)?\b"
@@ -42,7 +42,7 @@ _FAILURE_CUES = (
     r"|\bauthentication (?:failed|required)\b|\bauthenticationfailed\b|\blogin required\b|\bsession (?:has )?expired\b|\btoken (?:has )?expired\b)"
     r"|\bE(?:ACCES|PERM|NOENT|EXIST|ISDIR|NOTDIR|ROFS|NOSPC|MFILE|CONNREFUSED|CONNRESET|CONNABORTED|TIMEDOUT|HOSTUNREACH|NETUNREACH|NOTFOUND|AI_AGAIN|PIPE|ADDRINUSE)\b",
     # network: refused/reset connections, DNS, TLS
-    r"(?i:\brefused\b|\breset by peer\b|\bconnection (?:reset|closed|aborted|lost)\b|\bbroken pipe\b|\bunreachable\b|\bno route to host\b"
+    r"(?i:\brefused\b|\breset by peer\b|\bconnection (?:reset|closed|aborted|lost)\b|\bbroken pipe\b|\bunreachable\b(?![:=]\s*0\b)|\bno route to host\b"
     r"|\bnxdomain\b|\bservfail\b|\bname or service not known\b|\bname resolution\b|\bcould not resolve\b"
     r"|\bcertificate (?:has )?expired\b|\bself[- ]signed certificate\b|\bcertificate problem\b|\bunknown authority\b|\bhandshake (?:failure|failed)\b)",
     # quotas, rate limits, timeouts
