@@ -36,7 +36,7 @@ from ocrl.stats import (
     EngineStats, MemoryStats, PrefixCacheStats, ReplicaStats, RequestStats, RestoredStats, SampleStats, SessionStats, Stats,
     StorageStats, TrainerActorStats, TrainingStats, WeightSyncStats, strict,
 )  # fmt: skip
-from ocrl.types import Progress, SamplingParams
+from ocrl.types import Progress
 
 log = logging.getLogger("ocrl")
 

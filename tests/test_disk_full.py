@@ -11,7 +11,6 @@ from __future__ import annotations
 import errno
 import json
 import os
-import time
 
 import anyio
 import httpx

@@ -107,8 +107,11 @@ def test_the_classifier_is_fitted_once_then_read_from_the_cache(tmp_path, monkey
 
     monkeypatch.setattr(judge_classifier, "fit", counted_fit)
     settings = FitSettings(epochs=1, batch_size=4)
+    (tmp_path / "embed-head").mkdir()  # what the earlier judge (a linear head) cached
+    (tmp_path / "embed-head" / "head-0123.safetensors").write_bytes(b"old")
     fitted = judge_classifier.load_or_fit(path, settings, data)
     assert fits == [8] and len(list((tmp_path / "embed-judge").glob("*.safetensors"))) == 1
+    assert not (tmp_path / "embed-head").exists()
     cached = judge_classifier.load_or_fit(path, settings, data)
     assert fits == [8]  # read back, not fitted again
     texts = [judge_text("thanks!", "user"), judge_text("Error: boom", "tool")]

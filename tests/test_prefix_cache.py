@@ -133,12 +133,13 @@ async def both(cached, plain, prompt, params=GREEDY):
 @running
 async def test_a_session_prefills_only_its_new_tokens_and_samples_the_same(cached, plain):
     prompt = [1, 5, 6, 7, 8, 9, 10]
+    expected = 0  # nothing cached before the first turn
     for turn in range(4):
         with_cache, without = await both(cached, plain, prompt)
         assert_same(with_cache, without)
         # turn k+1 starts with turn k's prompt and response; all but the last response token
         # (never fed back) were kept
-        assert with_cache.cached_tokens == (0 if turn == 0 else expected)
+        assert with_cache.cached_tokens == expected
         assert without.cached_tokens == 0
         expected = len(prompt) + len(with_cache.response_ids) - 1
         prompt = prompt + with_cache.response_ids + [3, 4, 11 + turn]

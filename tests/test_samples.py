@@ -4,11 +4,9 @@ embedded model, and a scripted judge endpoint (generate mode over --prm-url, m=3
 from __future__ import annotations
 
 import signal
-import time
 
 import anyio
 import msgspec
-import pytest
 
 from conftest import Daemon
 
@@ -137,7 +135,7 @@ async def test_load_fifty_sessions_of_four_turns(judged_daemon):
     n_before = len(samples_of(judged_daemon))
 
     async def session(i, client):
-        await run_session(client, f"load-{i}", [f"thanks [votes: 1,1,1]", f"wrong [votes: -1,-1,-1]", "ok [votes: 0,0,0]"])
+        await run_session(client, f"load-{i}", ["thanks [votes: 1,1,1]", "wrong [votes: -1,-1,-1]", "ok [votes: 0,0,0]"])
 
     async with judged_daemon.client(timeout=600) as client:
         async with anyio.create_task_group() as tg:

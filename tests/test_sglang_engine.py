@@ -53,7 +53,7 @@ import torch
 from ocrl.config import Config, ConfigError
 from ocrl.engine import select
 from ocrl.engine.base import EngineError, Final
-from ocrl.types import Grammar, SamplingParams
+from ocrl.types import SamplingParams
 
 torch.set_num_threads(1)
 

@@ -114,7 +114,7 @@ def torch_threads() -> int:
 async def bench_serve(config, repeats: int, max_tokens: int) -> None:
     import httpx
 
-    from ocrl.daemon import Daemon, setup_logging
+    from ocrl.daemon import Daemon
 
     config = on_free_port(config, no_train=True, prm_mode="embed")
     daemon = Daemon(config)

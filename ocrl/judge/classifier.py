@@ -20,6 +20,7 @@ import hashlib
 import logging
 import os
 import random
+import shutil
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -230,4 +231,5 @@ def load_or_fit(
     for old in cached[KEEP_CACHED:]:
         if old != path:
             old.unlink(missing_ok=True)
+    shutil.rmtree(path.parent.parent / "embed-head", ignore_errors=True)  # the earlier linear head's cache
     return classifier

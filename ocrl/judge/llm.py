@@ -19,7 +19,7 @@ from collections.abc import Awaitable, Callable
 import anyio
 
 from ocrl.judge.prompts import ChatMessages, judge_messages, verdict_messages
-from ocrl.judge.votes import SCORES, Reply, read_vote, timed_verdict
+from ocrl.judge.votes import SCORES, read_vote, timed_verdict
 from ocrl.types import Verdict, Vote
 
 # messages, temperature, max_tokens, seed -> the judge model's reply (a bare str: a reply that stopped by itself).
