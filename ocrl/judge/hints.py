@@ -54,15 +54,15 @@ class EmbedHintJudge:
         self.min_chars = min_chars
         self.max_chars = max_chars
 
-    def vote(self, next_state: str, role: str) -> Vote:
-        verdict = self.judge.classify(next_state, role)
+    def vote(self, next_state: str, role: str, response: str = "") -> Vote:
+        verdict = self.judge.classify(next_state, role, response)
         if verdict.score != -1:
             return Vote(score=-1, text=f"{verdict.text}: no correction, no hint")
         words = " ".join(next_state.split())
         return Vote(score=1, text=f"{verdict.text}: {HINT_START}{clip(words, self.max_chars)}{HINT_END}")
 
-    async def _votes(self, next_state: str, role: str) -> list[Vote]:
-        return [await anyio.to_thread.run_sync(self.vote, next_state, role)]
+    async def _votes(self, next_state: str, role: str, response: str) -> list[Vote]:
+        return [await anyio.to_thread.run_sync(self.vote, next_state, role, response)]
 
     async def hint(self, response: str, next_state: str, role: str) -> Hint:
-        return await timed_hint(self.name, self._votes(next_state, role), self.min_chars)
+        return await timed_hint(self.name, self._votes(next_state, role, response), self.min_chars)
