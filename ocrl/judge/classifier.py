@@ -83,7 +83,12 @@ class FitSettings(msgspec.Struct, frozen=True):
 # the fit data (4,848 cases), the decision rule scored 0.902 with 30 corrections at +1 on the first
 # alone, 0.900 with 36 on the second alone, 0.902 with 29 on two seeds of the first, and 0.909
 # with 24 on these two: they err on different cases.
-MEMBERS = (FitSettings(), FitSettings(response_chars=300, max_length=192))
+# It is not what ships: the second member more than doubles the judge's time (43 ms a case on one
+# thread against 19) and the fitting at install (~18 minutes on two cores against ~7), which took a
+# fresh clone's `./run.sh test` to 31.6 minutes. RESPONSE_READER is that member, ready for a box
+# with the time for it: EmbedJudge.load(members=(FitSettings(), RESPONSE_READER)).
+RESPONSE_READER = FitSettings(response_chars=300, max_length=192)
+MEMBERS = (FitSettings(),)
 
 Item = tuple[str, str, str]  # what the judge reads of a turn: (next state, role, response)
 
@@ -237,7 +242,7 @@ def fit(classifier: Classifier, cases: Sequence[Case], progress: Callable[[str],
         torch.set_num_threads(threads)
 
 
-KEEP_CACHED = 2 * len(MEMBERS)  # fitted classifiers kept in the cache: the committee's members for two revisions
+KEEP_CACHED = 4  # fitted classifiers kept in the cache: two revisions of a committee of two
 
 
 def cache_path(classifier: Classifier, data: bytes) -> Path:
