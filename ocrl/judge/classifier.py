@@ -138,11 +138,14 @@ class Classifier:
                 probs[chunk] = self.logits([texts[i] for i in chunk]).softmax(dim=-1)
         return probs
 
-    def read(self, items: Sequence[Item]) -> torch.Tensor:
-        """(B, C) class probabilities of (next state, role, response) items, each read as
-        `judge_text` writes it with this classifier's settings."""
+    def texts(self, items: Sequence[Item]) -> list[str]:
+        """What this classifier reads of (next state, role, response) items: `judge_text` with its settings."""
         s = self.settings
-        return self([judge_text(next_state, role, s.max_chars, response, s.response_chars) for next_state, role, response in items])
+        return [judge_text(next_state, role, s.max_chars, response, s.response_chars) for next_state, role, response in items]
+
+    def read(self, items: Sequence[Item]) -> torch.Tensor:
+        """(B, C) class probabilities of (next state, role, response) items."""
+        return self(self.texts(items))
 
     def parameters(self) -> list[torch.nn.Parameter]:
         return [*self.encoder.parameters(), *self.head.parameters()]
@@ -197,7 +200,7 @@ def fit(classifier: Classifier, cases: Sequence[Case], progress: Callable[[str],
     import torch
 
     settings = classifier.settings
-    texts = [judge_text(case.next_state, case.role, settings.max_chars, case.response or "", settings.response_chars) for case in cases]
+    texts = classifier.texts([item_of(case) for case in cases])
     y = labels_to_index(cases)  # (N,)
     counts = torch.bincount(y, minlength=len(LABELS)).clamp(min=1).float()
     class_weight = counts.sum() / (len(LABELS) * counts)  # (C,)

@@ -49,10 +49,11 @@ def cross_validate(
     started = time.perf_counter()
     for fold in range(folds):
         held = [i for i in range(len(cases)) if i % folds == fold]
+        train, items = [case for i, case in enumerate(cases) if i % folds != fold], [item_of(cases[i]) for i in held]
         for settings in members:
             classifier = Classifier(model_path, settings)
-            fit(classifier, [case for i, case in enumerate(cases) if i % folds != fold], progress)
-            probs[held] += classifier.read([item_of(cases[i]) for i in held]) / len(members)
+            fit(classifier, train, progress)
+            probs[held] += classifier.read(items) / len(members)
         if progress is not None:
             progress(f"fold {fold + 1}/{folds} done, {time.perf_counter() - started:.0f}s")
     rule = EmbedJudge(classifier=None, margin=margin, edit_guard=edit_guard, strict_guard=strict_guard)
