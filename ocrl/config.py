@@ -79,7 +79,7 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     prm_model: str = ""
     prm_url: str = ""
     prm_api_key: str = ""
-    prm_margin: float = 0.03
+    prm_margin: float = 0.0  # the embed judge's (embed.MARGIN)
     # training
     no_train: bool = False
     method: Literal["rl", "opd", "combine"] = "rl"  # binary RL, distillation from hindsight hints, or both

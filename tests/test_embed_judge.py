@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import zlib
 from pathlib import Path
 
 import pytest
@@ -12,10 +13,12 @@ import torch
 
 from ocrl.judge import cues
 from ocrl.judge import embed as embed_judge
+from ocrl.judge import ngrams
 from ocrl.judge import classifier as judge_classifier
 from ocrl.judge.cases import Case, evaluate, load_cases
 from ocrl.judge.classifier import FIT_DATA, FitSettings, judge_text
 from ocrl.judge.embed import EmbedJudge
+from ocrl.judge.ngrams import NGramSettings
 
 DATA = Path(__file__).parent / "data"
 torch.set_num_threads(1)
@@ -99,7 +102,7 @@ def test_fit_is_deterministic_and_learns_the_labels():
 
 def test_cross_validation_scores_every_case_once_with_the_decision_rule():
     cases = tiny_cases()
-    members = [FitSettings(epochs=1, batch_size=4), FitSettings(epochs=1, batch_size=4, response_chars=100)]
+    members = [(FitSettings(epochs=1, batch_size=4), 0.5), (NGramSettings(buckets=1 << 12, epochs=10), 0.5)]
     report = embed_judge.cross_validate(minilm_path(), cases, members, folds=2)
     assert sum(sum(row.values()) for row in report["confusion"].values()) == len(cases)
     assert report["confusion"][0][0] >= 1  # the empty next state is 0 without the classifier
@@ -143,30 +146,71 @@ def test_the_classifier_is_fitted_once_then_read_from_the_cache(tmp_path, monkey
     assert sorted((tmp_path / "embed-judge").glob("*.safetensors")) == sorted(newest[-judge_classifier.KEEP_CACHED :])
 
 
-def test_the_committee_is_the_mean_of_its_members_each_fitted_and_cached_alone(tmp_path, monkeypatch):
+def test_the_committee_is_the_weighted_geometric_mean_of_its_members_each_fitted_and_cached_alone(tmp_path, monkeypatch):
     path = minilm_path()
     monkeypatch.setenv("OCRL_CACHE", str(tmp_path))
     data = tmp_path / "fit.jsonl"
     data.write_text("".join(json.dumps({"next_state": s, "role": r, "expected": e, "response": "Done."}) + "\n" for s, r, e in TINY[:8]))
-    members = [FitSettings(epochs=1, batch_size=4), FitSettings(epochs=1, batch_size=4, response_chars=100)]
+    members = [(FitSettings(epochs=1, batch_size=4), 0.25), (FitSettings(epochs=1, batch_size=4, response_chars=100), 0.25),
+               (NGramSettings(buckets=1 << 12, epochs=20), 0.5)]
     committee = judge_classifier.load_committee(path, members, data)
-    assert [member.settings for member in committee.members] == members
-    assert len(list((tmp_path / "embed-judge").glob("*.safetensors"))) == 2  # one cache entry per member
-    alone = [judge_classifier.load_or_fit(path, settings, data) for settings in members]  # read back from the cache
+    assert [member.settings for member in committee.members] == [settings for settings, _ in members]
+    # one cache entry per member
+    assert len(list((tmp_path / "embed-judge").glob("judge-*.safetensors"))) == 2
+    assert len(list((tmp_path / "embed-judge").glob("ngrams-*.safetensors"))) == 1
+    alone = [judge_classifier.load_or_fit(path, settings, data) for settings, _ in members[:2]]  # read back from the cache
+    alone.append(ngrams.load_or_fit(members[2][0], data))
     items = [("thanks!", "user", "Here it is."), ("Error: boom", "tool", "Running it.")]
-    first, second = (classifier.read(items) for classifier in alone)
+    first, second, third = (member.read(items) for member in alone)
     assert not torch.equal(first, second)
-    torch.testing.assert_close(committee(items), (first + second) / 2)
-    # the second reads the response, the first does not
+    expected = (0.25 * first.log() + 0.25 * second.log() + 0.5 * third.log()).softmax(dim=-1)
+    torch.testing.assert_close(committee(items), expected)
+    # the second reads the response, the first and the n-gram model do not
     torch.testing.assert_close(alone[0].read([("thanks!", "user", "Something else.")]), first[:1])
+    torch.testing.assert_close(alone[2].read([("thanks!", "user", "Something else.")]), third[:1])
     assert not torch.equal(alone[1].read([("thanks!", "user", "Something else.")]), second[:1])
+
+
+def test_the_ngram_model_reads_characters_and_words_and_fits_deterministically(tmp_path, monkeypatch):
+    settings = NGramSettings(chars=(2, 3), words=2, buckets=1 << 12, epochs=40)
+    grams = ngrams.ngrams("Ok,  GO", settings)
+    # characters of the lower-cased text with its whitespace squeezed, padded with a space; words and punctuation
+    assert {"c o", "cok", "c g", "cgo ", "wok", "w,", "wgo", "wok ,", "w, go"} <= set(grams) and "cgo  " not in grams
+    assert ngrams.ngrams("a a a", settings)["wa"] == 3
+    slots, offsets, weights = ngrams.hashed(["Ok,  GO", "thanks"], settings)
+    assert offsets.tolist() == [0, len(grams)]
+    assert int(slots[0]) == zlib.crc32(next(iter(grams)).encode()) % settings.buckets  # stable across processes
+    torch.testing.assert_close(weights[: len(grams)].norm(), torch.tensor(1.0))
+    cases = tiny_cases()[:-1]
+    items = [(case.next_state, case.role, "") for case in cases]
+    first, again = ngrams.NGramModel(settings), ngrams.NGramModel(settings)
+    ngrams.fit(first, cases)
+    ngrams.fit(again, cases)
+    for name, tensor in first.state_dict().items():
+        torch.testing.assert_close(tensor, again.state_dict()[name], rtol=0, atol=0)
+    assert (first.read(items).argmax(1) == judge_classifier.labels_to_index(cases)).all()  # fitted: every training case read right
+    # the role is read: the same words as a user message and as tool output are different n-grams
+    assert not torch.equal(first.read([("Error: boom", "user", "")]), first.read([("Error: boom", "tool", "")]))
+    # fitted once, then read from the cache
+    monkeypatch.setenv("OCRL_CACHE", str(tmp_path))
+    data = tmp_path / "fit.jsonl"
+    data.write_text("".join(json.dumps({"next_state": s, "role": r, "expected": e}) + "\n" for s, r, e in TINY[:-1]))
+    fits = []
+    real_fit = ngrams.fit
+    monkeypatch.setattr(ngrams, "fit", lambda model, cases: (fits.append(len(cases)), real_fit(model, cases)))
+    fitted = ngrams.load_or_fit(settings, data)
+    cached = ngrams.load_or_fit(settings, data)
+    assert fits == [len(TINY) - 1]
+    torch.testing.assert_close(cached.read(items), first.read(items), rtol=0, atol=0)
+    torch.testing.assert_close(fitted.read(items), first.read(items), rtol=0, atol=0)
 
 
 def test_a_tool_failure_is_never_scored_plus_one():
     # A classifier that says +1 to everything: the failure sign still keeps tool errors off +1.
     judge = EmbedJudge(Constant([0.990, 0.0067, 0.0033]))
-    # +1 is set aside; of the rest, correction leads neutral by less than the margin
-    assert judge.classify("Permission denied", "tool").score == 0
+    # +1 is set aside; of the rest, correction leads (by less than a margin of 0.03, which would make it 0)
+    assert judge.classify("Permission denied", "tool").score == -1
+    assert EmbedJudge(Constant([0.990, 0.0067, 0.0033]), margin=0.03).classify("Permission denied", "tool").score == 0
     assert judge.classify("all good", "tool").score == 1
     assert judge.classify("Permission denied", "user").score == 1  # the rule reads tool output only
     assert judge.classify("   ", "tool").score == 0
@@ -221,13 +265,13 @@ def test_a_user_edit_cue_keeps_plus_one_away_unless_the_classifier_is_sure():
     assert embed_judge.decide(probs, "sign it 'Cheers, Sam'", "user") == (-1, "sign it")  # p(+1) < 0.7
     assert embed_judge.decide(probs, "perfect, thanks", "user") == (1, None)  # no cue
     assert embed_judge.decide(probs, "sign it 'Cheers, Sam'", "tool") == (1, None)  # the guard reads user messages only
-    fairly_sure = {1: 0.9, -1: 0.08, 0: 0.02}
+    fairly_sure = {1: 0.75, -1: 0.23, 0: 0.02}
     # a message that moves on to a new request: +1 once p(+1) reaches edit_guard (0.7)
     assert embed_judge.decide(fairly_sure, "great, now make it handle empty lists", "user") == (1, None)
-    # one that does not: the strict guard (0.95), for an edit word and for a clause-opening edit verb alike
+    # one that does not: the strict guard (0.8), for an edit word and for a clause-opening edit verb alike
     assert embed_judge.decide(fairly_sure, "thanks, but no rush on the rest", "user") == (-1, "but")
     assert embed_judge.decide(fairly_sure, "love it, just drop the RSVP line", "user") == (-1, "drop")
-    sure = {1: 0.97, -1: 0.02, 0: 0.01}
+    sure = {1: 0.85, -1: 0.14, 0: 0.01}
     assert embed_judge.decide(sure, "thanks, but no rush on the rest", "user") == (1, None)  # classifier sure enough
     # an edit word in the verdict before moving on keeps the strict guard: a complaint, then the next task
     assert embed_judge.decide(fairly_sure, "That's too long for me. Next: how do I boil an egg?", "user") == (-1, "too")
@@ -248,7 +292,7 @@ def test_a_user_edit_cue_keeps_plus_one_away_unless_the_classifier_is_sure():
 def test_shipped_fit_data_and_held_out_cases_are_valid_and_disjoint():
     fit = load_cases(FIT_DATA)
     reported = load_cases(DATA / "prm_cases.jsonl")
-    assert len(fit) >= 4800
+    assert len(fit) >= 5100
     for case in fit:
         assert case.role in ("user", "tool") and case.expected in (1, -1, 0)
     fitted = {case.next_state for case in fit}
@@ -257,11 +301,11 @@ def test_shipped_fit_data_and_held_out_cases_are_valid_and_disjoint():
     kinds = {"tool_ok", "tool_error", "tool_neutral", "thanks", "approval", "next_task", "correction", "redo", "change_request",
              "complaint", "off_topic", "ambiguous"}
     assert kinds <= {case.kind for case in fit}
-    # the fifth (spent, a regression floor) and eighth held-out sets, each written blind and
+    # the fifth (spent, a regression floor) and ninth held-out sets, each written blind and
     # committed before any judge was scored on it: disjoint from the fit data, the reported
     # cases and each other
     seen = fitted | reported_states
-    for name, size in (("judge_heldout_5.jsonl", 290), ("judge_heldout_8.jsonl", 320)):
+    for name, size in (("judge_heldout_5.jsonl", 290), ("judge_heldout_9.jsonl", 320)):
         blind = load_cases(DATA / name)
         assert len(blind) >= size
         for case in blind:

@@ -81,13 +81,11 @@ def bench_judge(repeats: int) -> None:
     the same run: the forward of the committee's first member alone (what the committee costs
     over one classifier) and of the committee alone (what the decision adds). Medians of
     `repeats` passes, on the threads torch is given."""
-    from pathlib import Path
-
     from ocrl.judge.cases import load_cases
     from ocrl.judge.classifier import item_of
-    from ocrl.judge.embed import EmbedJudge
+    from ocrl.judge.embed import BLIND_SET, EmbedJudge
 
-    cases = load_cases(Path(__file__).resolve().parents[2] / "tests" / "data" / "judge_heldout_8.jsonl")
+    cases = load_cases(BLIND_SET)
     judge = EmbedJudge.load()
     judge.classify("warm up", "user")
     items = [item_of(case) for case in cases]

