@@ -374,19 +374,16 @@ def judge():
 
 
 async def test_blind_held_out_accuracy_floor(judge):
-    cases = load_cases(DATA / "judge_heldout_8.jsonl")
+    cases = load_cases(DATA / "judge_heldout_9.jsonl")
     report = await evaluate(judge, cases)
-    # The eighth held-out set: written blind by a helper that saw neither the judge code nor the
-    # other sets (3 fit lines that were near copies of its cases were dropped by count, unread),
-    # committed before any judge was scored on it, and scored once by the eleventh candidate (a
-    # committee of the classifier of the next state alone and one that reads the response too):
-    # 295/325 = 0.908 with 2 tool errors at +1 (a pod in ImagePullBackOff, a poetry lock
-    # warning); 1 once Kubernetes' image-pull states are failure cues. What ships is the first
-    # member alone (the committee took CI past 30 minutes), scored afterwards: 290/325 = 0.892
-    # with 2 at +1 (the poetry warning and "weekly is enough, sunday 3am"). The issue's bar is
-    # 0.92 with none; the floor guards against a regression, it is not the target.
-    assert report["accuracy"] >= 0.885, report["misses"]
-    assert report["confusion"][-1][1] <= 2, report["misses"]
+    # The ninth held-out set: written blind by a helper that saw neither the judge code nor any
+    # other set's cases, committed before any judge was scored on it, and scored once by the
+    # twelfth candidate (the classifier and the n-gram model, fitted on 5,173 cases with the
+    # eighth set in them): 289/325 = 0.889 with 6 corrections at +1. Its classifier alone under
+    # the earlier rule, afterwards: 0.877 with 4. The issue's bar is 0.92 with none; the floor
+    # guards against a regression, it is not the target.
+    assert report["accuracy"] >= 0.88, report["misses"]
+    assert report["confusion"][-1][1] <= 6, report["misses"]
 
 
 async def test_spent_fifth_set_floor(judge):
@@ -394,8 +391,8 @@ async def test_spent_fifth_set_floor(judge):
     # the seventh missed there): 0.826 with 5 at +1 for the seventh candidate, 0.911 with 1 for
     # the eighth, 0.905 with 2 for the ninth, 0.898 with 2 under the tenth's stricter rule (a redo
     # request or a verdict with an edit word before moving on is never +1), 0.911 with none for
-    # the eleventh (the committee), 0.918 with none for the classifier that ships (the committee's
-    # first member, on the new fit data). A regression guard.
+    # the eleventh (the committee), 0.918 with none for the classifier shipped after it, 0.934
+    # with 1 for the twelfth (the classifier and the n-gram model). A regression guard.
     report = await evaluate(judge, load_cases(DATA / "judge_heldout_5.jsonl"))
-    assert report["accuracy"] >= 0.89, report["misses"]
+    assert report["accuracy"] >= 0.92, report["misses"]
     assert report["confusion"][-1][1] <= 1, report["misses"]
