@@ -255,7 +255,7 @@ def fit(classifier: Classifier, cases: Sequence[Case], progress: Callable[[str],
         torch.set_num_threads(threads)
 
 
-KEEP_CACHED = 4  # fitted classifiers kept in the cache: two revisions of a committee of two
+KEEP_CACHED = 4  # fitted weights of each kind (classifiers, n-gram models) kept in the cache
 
 
 def cache_path(classifier: Classifier, data: bytes) -> Path:
@@ -268,12 +268,29 @@ def cache_path(classifier: Classifier, data: bytes) -> Path:
     return cache_root() / "embed-judge" / f"judge-{key}.safetensors"
 
 
+def save_cached(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """Writes fitted weights to the cache (through a temporary file: another process may fit at
+    once), then drops all but the newest `KEEP_CACHED` of their kind (the name's prefix) there:
+    each revision of the fit data leaves one, and another checkout on the box may use an older."""
+    from safetensors.torch import save_file
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    save_file(tensors, str(partial))
+    os.replace(partial, path)
+    kind = path.name.split("-")[0]
+    cached = sorted(path.parent.glob(f"{kind}-*.safetensors"), key=lambda old: old.stat().st_mtime_ns, reverse=True)
+    for old in cached[KEEP_CACHED:]:
+        if old != path:
+            old.unlink(missing_ok=True)
+
+
 def load_or_fit(
     model_path: str | Path, settings: FitSettings = FitSettings(), data_path: Path = FIT_DATA
 ) -> Classifier:
     """The classifier fine-tuned on this data from this encoder with these settings: read from
     the cache, or fitted (progress logged per epoch) and cached when missing."""
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
 
     classifier = Classifier(model_path, settings)
     data = data_path.read_bytes()
@@ -285,17 +302,8 @@ def load_or_fit(
     log.info("embed judge: fine-tuning on %d labelled cases (first use of this data on this box; cached after)", len(cases))
     started = time.perf_counter()
     fit(classifier, cases, lambda line: log.info("embed judge: %s", line))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # another process may fit at once
-    save_file(classifier.state_dict(), str(partial))
-    os.replace(partial, path)
+    save_cached(classifier.state_dict(), path)
     log.info("embed judge: fine-tuned in %.0fs, cached at %s", time.perf_counter() - started, path)
-    # each revision of the fit data leaves ~87 MiB: keep the newest few (another checkout on the
-    # box may use an older one), drop the rest
-    cached = sorted(path.parent.glob("judge-*.safetensors"), key=lambda old: old.stat().st_mtime_ns, reverse=True)
-    for old in cached[KEEP_CACHED:]:
-        if old != path:
-            old.unlink(missing_ok=True)
     shutil.rmtree(path.parent.parent / "embed-head", ignore_errors=True)  # the earlier linear head's cache
     return classifier
 

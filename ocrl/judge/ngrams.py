@@ -14,7 +14,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
-import os
 import re
 import time
 import zlib
@@ -165,7 +164,9 @@ def cache_path(settings: NGramSettings, data: bytes) -> Path:
 def load_or_fit(settings: NGramSettings, data_path: Path) -> NGramModel:
     """The n-gram model fitted on this data with these settings: read from the cache, or fitted
     and cached when missing (the newest few fits are kept, as for the classifiers)."""
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
+
+    from ocrl.judge.classifier import save_cached
 
     model = NGramModel(settings)
     data = data_path.read_bytes()
@@ -175,15 +176,6 @@ def load_or_fit(settings: NGramSettings, data_path: Path) -> NGramModel:
         return model
     started = time.perf_counter()
     fit(model, load_cases(data_path))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # another process may fit at once
-    save_file(model.state_dict(), str(partial))
-    os.replace(partial, path)
+    save_cached(model.state_dict(), path)
     log.info("embed judge: n-gram model fitted in %.0fs, cached at %s", time.perf_counter() - started, path)
-    from ocrl.judge.classifier import KEEP_CACHED
-
-    cached = sorted(path.parent.glob("ngrams-*.safetensors"), key=lambda old: old.stat().st_mtime_ns, reverse=True)
-    for old in cached[KEEP_CACHED:]:
-        if old != path:
-            old.unlink(missing_ok=True)
     return model
