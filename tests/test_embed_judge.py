@@ -374,16 +374,17 @@ def judge():
 
 
 async def test_blind_held_out_accuracy_floor(judge):
-    cases = load_cases(DATA / "judge_heldout_9.jsonl")
+    cases = load_cases(DATA / "judge_heldout_10.jsonl")
     report = await evaluate(judge, cases)
-    # The ninth held-out set: written blind by a helper that saw neither the judge code nor any
+    # The tenth held-out set: written blind by a helper that saw neither the judge code nor any
     # other set's cases, committed before any judge was scored on it, and scored once by the
-    # twelfth candidate (the classifier and the n-gram model, fitted on 5,173 cases with the
-    # eighth set in them): 289/325 = 0.889 with 6 corrections at +1. Its classifier alone under
-    # the earlier rule, afterwards: 0.877 with 4. The bar is 0.92 with none; the floor
-    # guards against a regression, it is not the target.
-    assert report["accuracy"] >= 0.88, report["misses"]
-    assert report["confusion"][-1][1] <= 6, report["misses"]
+    # thirteenth candidate (the classifier and the n-gram model, fitted on 5,798 cases with the
+    # ninth set and 300 cases written by kind in them): 282/325 = 0.868 with 5 corrections at +1.
+    # Afterwards, on the then spent set: the twelfth candidate (5,173 cases) 0.846 with 5. (The
+    # ninth set, scored once by the twelfth: 0.889 with 6.) The bar is 0.92 with none;
+    # the floor guards against a regression, it is not the target.
+    assert report["accuracy"] >= 0.86, report["misses"]
+    assert report["confusion"][-1][1] <= 5, report["misses"]
 
 
 async def test_spent_fifth_set_floor(judge):
@@ -392,7 +393,8 @@ async def test_spent_fifth_set_floor(judge):
     # the eighth, 0.905 with 2 for the ninth, 0.898 with 2 under the tenth's stricter rule (a redo
     # request or a verdict with an edit word before moving on is never +1), 0.911 with none for
     # the eleventh (the committee), 0.918 with none for the classifier shipped after it, 0.934
-    # with 1 for the twelfth (the classifier and the n-gram model). A regression guard.
+    # with 1 for the twelfth (the classifier and the n-gram model), 0.938 with 1 for the
+    # thirteenth (the same on more data). A regression guard.
     report = await evaluate(judge, load_cases(DATA / "judge_heldout_5.jsonl"))
-    assert report["accuracy"] >= 0.92, report["misses"]
+    assert report["accuracy"] >= 0.93, report["misses"]
     assert report["confusion"][-1][1] <= 1, report["misses"]
