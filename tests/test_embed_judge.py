@@ -15,6 +15,7 @@ from ocrl.judge import cues
 from ocrl.judge import embed as embed_judge
 from ocrl.judge import ngrams
 from ocrl.judge import classifier as judge_classifier
+from ocrl.judge import committee as judge_committee
 from ocrl.judge.cases import Case, evaluate, load_cases
 from ocrl.judge.classifier import FIT_DATA, FitSettings, judge_text
 from ocrl.judge.embed import EmbedJudge
@@ -153,7 +154,7 @@ def test_the_committee_is_the_weighted_geometric_mean_of_its_members_each_fitted
     data.write_text("".join(json.dumps({"next_state": s, "role": r, "expected": e, "response": "Done."}) + "\n" for s, r, e in TINY[:8]))
     members = [(FitSettings(epochs=1, batch_size=4), 0.25), (FitSettings(epochs=1, batch_size=4, response_chars=100), 0.25),
                (NGramSettings(buckets=1 << 12, epochs=20), 0.5)]
-    committee = judge_classifier.load_committee(path, members, data)
+    committee = judge_committee.load_committee(path, members, data)
     assert [member.settings for member in committee.members] == [settings for settings, _ in members]
     # one cache entry per member
     assert len(list((tmp_path / "embed-judge").glob("judge-*.safetensors"))) == 2

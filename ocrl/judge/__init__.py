@@ -9,7 +9,10 @@ One concept per module, imported from the module that owns it (this package re-e
   (one forward, votes drawn from the verdict-token probabilities).
 - `classifier`: all-MiniLM-L6-v2 fine-tuned as a classifier of the next state: the text it reads,
   its fit on the shipped labelled cases and the cache of the fitted weights.
-- `embed`: `EmbedJudge`, the CPU default: that classifier and the decision rule over it.
+- `ngrams`: a linear model over hashed character and word n-grams of the same text.
+- `committee`: the readers the judge averages (those two, weighted) and how they are combined.
+- `cues`: the textual cues the decision rule reads (failure signs, edit and redo words, emoji names).
+- `embed`: `EmbedJudge`, the CPU default: that committee and the decision rule over it.
 - `hints`: the hint judges for --method opd|combine, `GenerateHintJudge` and `EmbedHintJudge`.
 - `completers`: an engine of ours or an OpenAI-compatible endpoint as an LLM judge's model call.
 - `cases`: labelled cases and a judge's accuracy on them.

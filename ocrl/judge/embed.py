@@ -1,9 +1,9 @@
-"""The CPU judge: the committee that reads the next state (classifier.py: a fine-tuned
-classifier and a model of its n-grams, ngrams.py) and the decision rule over its probabilities
+"""The CPU judge: the committee that reads the next state (committee.py: a fine-tuned
+classifier, classifier.py, and a model of its n-grams, ngrams.py) and the decision rule over its probabilities
 (`decide`, with the textual cues of cues.py), behind the judge protocol (`EmbedJudge`); its
 cross-validation on the fit data and the command that reports it on labelled cases. The verdict
 is read from the next state; a committee member may read the response too, as context (what the
-next state answers: `classifier.RESPONSE_READER`, not shipped), and the cues never do.
+next state answers: `committee.RESPONSE_READER`, not shipped), and the cues never do.
 """
 
 from __future__ import annotations
@@ -16,9 +16,10 @@ from typing import TYPE_CHECKING
 import anyio
 
 from ocrl.judge.cases import Case, evaluate, format_report, load_cases, tally
-from ocrl.judge.classifier import FIT_DATA, LABELS, MEMBERS, Committee, FitSettings, Item, fit_member, item_of, labels_to_index, load_committee, new_member
-from ocrl.judge.ngrams import NGramSettings
+from ocrl.judge.classifier import FIT_DATA, LABELS, FitSettings, Item, item_of, labels_to_index
+from ocrl.judge.committee import MEMBERS, Committee, fit_member, load_committee, new_member
 from ocrl.judge.cues import edit_cue, imperative_cue, praise_opening, redo_cue, tool_failure, verdict_part
+from ocrl.judge.ngrams import NGramSettings
 from ocrl.judge.votes import timed_verdict
 from ocrl.types import Verdict, Vote
 

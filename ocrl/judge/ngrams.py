@@ -4,7 +4,7 @@ text a classifier reads (`classifier.judge_text`), fitted on the same labelled c
 The fine-tuned encoder reads meaning and smooths over the exact form of a message; this reads
 the form: a status word in a tool's output ("BackOff", "Invalid: 0"), a suffix, a spelling, a
 word in another language. The two err on different cases, so the judge averages their class
-probabilities (`classifier.MEMBERS`). It fits in seconds (full-batch Adagrad, class-balanced
+probabilities (`committee.MEMBERS`). It fits in seconds (full-batch Adagrad, class-balanced
 cross-entropy, seeded), so it adds nothing worth counting to the install, and reads a case in
 about a millisecond. Cached beside the classifiers, keyed by the fit data and its settings.
 """
@@ -24,11 +24,10 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from ocrl.judge.cases import Case, load_cases
+from ocrl.judge.classifier import LABELS, Item, item_of, judge_text, labels_to_index, save_cached
 
 if TYPE_CHECKING:
     import torch
-
-    from ocrl.judge.classifier import Item
 
 log = logging.getLogger("ocrl.judge")
 
@@ -96,8 +95,6 @@ class NGramModel:
     def __init__(self, settings: NGramSettings = NGramSettings()) -> None:
         import torch
 
-        from ocrl.judge.classifier import LABELS
-
         self.settings = settings
         self.weight = torch.nn.EmbeddingBag(settings.buckets, len(LABELS), mode="sum")
         torch.nn.init.zeros_(self.weight.weight)
@@ -106,8 +103,6 @@ class NGramModel:
     def texts(self, items: Sequence[Item]) -> list[str]:
         """What it reads of (next state, role, response) items: the role and the next state, as
         the classifier reads them without the response."""
-        from ocrl.judge.classifier import judge_text
-
         return [judge_text(next_state, role, self.settings.max_chars) for next_state, role, _ in items]
 
     def logits(self, texts: Sequence[str]) -> torch.Tensor:
@@ -137,8 +132,6 @@ def fit(model: NGramModel, cases: Sequence[Case]) -> None:
     cross-entropy plus L2 on the feature weights, from zero weights (so deterministic)."""
     import torch
 
-    from ocrl.judge.classifier import item_of, labels_to_index
-
     settings = model.settings
     slots, offsets, weights = hashed(model.texts([item_of(case) for case in cases]), settings)
     y = labels_to_index(cases)  # (N,)
@@ -165,8 +158,6 @@ def load_or_fit(settings: NGramSettings, data_path: Path) -> NGramModel:
     """The n-gram model fitted on this data with these settings: read from the cache, or fitted
     and cached when missing (the newest few fits are kept, as for the classifiers)."""
     from safetensors.torch import load_file
-
-    from ocrl.judge.classifier import save_cached
 
     model = NGramModel(settings)
     data = data_path.read_bytes()
