@@ -16,6 +16,7 @@ from ocrl.judge import embed as embed_judge
 from ocrl.judge import ngrams
 from ocrl.judge import classifier as judge_classifier
 from ocrl.judge import committee as judge_committee
+from ocrl.judge import fitted
 from ocrl.judge.cases import Case, evaluate, load_cases
 from ocrl.judge.classifier import FIT_DATA, FitSettings, judge_text
 from ocrl.judge.embed import EmbedJudge
@@ -89,9 +90,9 @@ def test_fit_is_deterministic_and_learns_the_labels():
     texts = [judge_text(case.next_state, case.role) for case in cases]
     first = judge_classifier.Classifier(path, settings)
     before = first(texts)
-    judge_classifier.fit(first, cases, progress=(lines := []).append)
+    first.fit(cases, progress=(lines := []).append)
     again = judge_classifier.Classifier(path, settings)
-    judge_classifier.fit(again, cases)
+    again.fit(cases)
     for name, tensor in first.state_dict().items():
         torch.testing.assert_close(tensor, again.state_dict()[name], rtol=0, atol=0)
     assert len(lines) == settings.epochs and lines[-1].startswith("epoch 6/6: loss ")
@@ -118,33 +119,33 @@ def test_the_classifier_is_fitted_once_then_read_from_the_cache(tmp_path, monkey
     data = tmp_path / "fit.jsonl"
     data.write_text("".join(json.dumps({"next_state": s, "role": r, "expected": e}) + "\n" for s, r, e in TINY[:8]))
     fits = []
-    real_fit = judge_classifier.fit
+    real_fit = judge_classifier.Classifier.fit
 
     def counted_fit(classifier, cases, progress=None):
         fits.append(len(cases))
         real_fit(classifier, cases)
 
-    monkeypatch.setattr(judge_classifier, "fit", counted_fit)
+    monkeypatch.setattr(judge_classifier.Classifier, "fit", counted_fit)
     settings = FitSettings(epochs=1, batch_size=4)
     (tmp_path / "embed-head").mkdir()  # what the earlier judge (a linear head) cached
     (tmp_path / "embed-head" / "head-0123.safetensors").write_bytes(b"old")
-    fitted = judge_classifier.load_or_fit(path, settings, data)
+    first = fitted.load_or_fit(judge_classifier.Classifier(path, settings), data)
     assert fits == [8] and len(list((tmp_path / "embed-judge").glob("*.safetensors"))) == 1
     assert not (tmp_path / "embed-head").exists()
-    cached = judge_classifier.load_or_fit(path, settings, data)
+    cached = fitted.load_or_fit(judge_classifier.Classifier(path, settings), data)
     assert fits == [8]  # read back, not fitted again
     texts = [judge_text("thanks!", "user"), judge_text("Error: boom", "tool")]
-    torch.testing.assert_close(cached(texts), fitted(texts), rtol=0, atol=0)
+    torch.testing.assert_close(cached(texts), first(texts), rtol=0, atol=0)
     data.write_text(data.read_text() + json.dumps({"next_state": "perfect", "role": "user", "expected": 1}) + "\n")
-    judge_classifier.load_or_fit(path, settings, data)
+    fitted.load_or_fit(judge_classifier.Classifier(path, settings), data)
     assert fits == [8, 9]  # new data, new fit
     assert len(list((tmp_path / "embed-judge").glob("*.safetensors"))) == 2
     newest = []
-    for extra in ("great", "thx", "wrong again", "nice one", "broken")[: judge_classifier.KEEP_CACHED]:
+    for extra in ("great", "thx", "wrong again", "nice one", "broken")[: fitted.KEEP_CACHED]:
         data.write_text(data.read_text() + json.dumps({"next_state": extra, "role": "user", "expected": 1}) + "\n")
-        newest.append(judge_classifier.cache_path(judge_classifier.load_or_fit(path, settings, data), data.read_bytes()))
+        newest.append(fitted.load_or_fit(judge_classifier.Classifier(path, settings), data).cache_path(data.read_bytes()))
     # only the newest few fitted classifiers stay (each is ~87 MiB)
-    assert sorted((tmp_path / "embed-judge").glob("*.safetensors")) == sorted(newest[-judge_classifier.KEEP_CACHED :])
+    assert sorted((tmp_path / "embed-judge").glob("*.safetensors")) == sorted(newest[-fitted.KEEP_CACHED :])
 
 
 def test_the_committee_is_the_weighted_geometric_mean_of_its_members_each_fitted_and_cached_alone(tmp_path, monkeypatch):
@@ -159,8 +160,8 @@ def test_the_committee_is_the_weighted_geometric_mean_of_its_members_each_fitted
     # one cache entry per member
     assert len(list((tmp_path / "embed-judge").glob("judge-*.safetensors"))) == 2
     assert len(list((tmp_path / "embed-judge").glob("ngrams-*.safetensors"))) == 1
-    alone = [judge_classifier.load_or_fit(path, settings, data) for settings, _ in members[:2]]  # read back from the cache
-    alone.append(ngrams.load_or_fit(members[2][0], data))
+    # read back from the cache
+    alone = [fitted.load_or_fit(judge_committee.new_member(path, settings), data) for settings, _ in members]
     items = [("thanks!", "user", "Here it is."), ("Error: boom", "tool", "Running it.")]
     first, second, third = (member.read(items) for member in alone)
     assert not torch.equal(first, second)
@@ -185,8 +186,8 @@ def test_the_ngram_model_reads_characters_and_words_and_fits_deterministically(t
     cases = tiny_cases()[:-1]
     items = [(case.next_state, case.role, "") for case in cases]
     first, again = ngrams.NGramModel(settings), ngrams.NGramModel(settings)
-    ngrams.fit(first, cases)
-    ngrams.fit(again, cases)
+    first.fit(cases)
+    again.fit(cases)
     for name, tensor in first.state_dict().items():
         torch.testing.assert_close(tensor, again.state_dict()[name], rtol=0, atol=0)
     assert (first.read(items).argmax(1) == judge_classifier.labels_to_index(cases)).all()  # fitted: every training case read right
@@ -197,13 +198,13 @@ def test_the_ngram_model_reads_characters_and_words_and_fits_deterministically(t
     data = tmp_path / "fit.jsonl"
     data.write_text("".join(json.dumps({"next_state": s, "role": r, "expected": e}) + "\n" for s, r, e in TINY[:-1]))
     fits = []
-    real_fit = ngrams.fit
-    monkeypatch.setattr(ngrams, "fit", lambda model, cases: (fits.append(len(cases)), real_fit(model, cases)))
-    fitted = ngrams.load_or_fit(settings, data)
-    cached = ngrams.load_or_fit(settings, data)
+    real_fit = ngrams.NGramModel.fit
+    monkeypatch.setattr(ngrams.NGramModel, "fit", lambda model, cases, progress=None: (fits.append(len(cases)), real_fit(model, cases)))
+    fitted_model = fitted.load_or_fit(ngrams.NGramModel(settings), data)
+    cached = fitted.load_or_fit(ngrams.NGramModel(settings), data)
     assert fits == [len(TINY) - 1]
     torch.testing.assert_close(cached.read(items), first.read(items), rtol=0, atol=0)
-    torch.testing.assert_close(fitted.read(items), first.read(items), rtol=0, atol=0)
+    torch.testing.assert_close(fitted_model.read(items), first.read(items), rtol=0, atol=0)
 
 
 def test_a_tool_failure_is_never_scored_plus_one():
@@ -296,16 +297,16 @@ def test_shipped_fit_data_and_held_out_cases_are_valid_and_disjoint():
     assert len(fit) >= 5700
     for case in fit:
         assert case.role in ("user", "tool") and case.expected in (1, -1, 0)
-    fitted = {case.next_state for case in fit}
+    fit_states = {case.next_state for case in fit}
     reported_states = {case.next_state for case in reported}
-    assert not fitted & reported_states
+    assert not fit_states & reported_states
     kinds = {"tool_ok", "tool_error", "tool_neutral", "thanks", "approval", "next_task", "correction", "redo", "change_request",
              "complaint", "off_topic", "ambiguous"}
     assert kinds <= {case.kind for case in fit}
     # the fifth (spent, a regression floor) and tenth held-out sets, each written blind and
     # committed before any judge was scored on it: disjoint from the fit data, the reported
     # cases and each other
-    seen = fitted | reported_states
+    seen = fit_states | reported_states
     for name, size in (("judge_heldout_5.jsonl", 290), ("judge_heldout_10.jsonl", 320)):
         blind = load_cases(DATA / name)
         assert len(blind) >= size

