@@ -260,6 +260,14 @@ def test_imperative_cues_and_signs_of_moving_on():
         assert cues.redo_cue(text) == words, text
     for text in ["thanks, that works", "now the next slide", "another thing: book the room"]:
         assert cues.redo_cue(text) is None, text
+    # "again" that asks for nothing again: thanks again, working again, a reminder question
+    for text in ["thanks again!", "works again 🎉 thanks a ton", "what was it called again?", "tak igen 🙏"]:
+        assert cues.redo_cue(text) is None, text
+    assert cues.redo_cue("what did you change? do it again") == "again"
+    # asking again, and moving on, in more languages
+    for text, words in [("prøv igen, helt forfra", "igen"), ("spróbuj jeszcze raz", "jeszcze raz"), ("next option pls", "next option")]:
+        assert cues.redo_cue(text) == words, text
+    assert cues.moves_on("dzięki. teraz zrób listę zakupów") == "teraz" and cues.moves_on("kiitos, nyt sama ruotsiksi") == "nyt"
 
 
 def test_a_user_edit_cue_keeps_plus_one_away_unless_the_classifier_is_sure():
@@ -294,7 +302,7 @@ def test_a_user_edit_cue_keeps_plus_one_away_unless_the_classifier_is_sure():
 def test_shipped_fit_data_and_held_out_cases_are_valid_and_disjoint():
     fit = load_cases(FIT_DATA)
     reported = load_cases(DATA / "prm_cases.jsonl")
-    assert len(fit) >= 5700
+    assert len(fit) >= 6500
     for case in fit:
         assert case.role in ("user", "tool") and case.expected in (1, -1, 0)
     fit_states = {case.next_state for case in fit}
@@ -303,11 +311,11 @@ def test_shipped_fit_data_and_held_out_cases_are_valid_and_disjoint():
     kinds = {"tool_ok", "tool_error", "tool_neutral", "thanks", "approval", "next_task", "correction", "redo", "change_request",
              "complaint", "off_topic", "ambiguous"}
     assert kinds <= {case.kind for case in fit}
-    # the fifth (spent, a regression floor) and tenth held-out sets, each written blind and
+    # the fifth (spent, a regression floor) and eleventh held-out sets, each written blind and
     # committed before any judge was scored on it: disjoint from the fit data, the reported
     # cases and each other
     seen = fit_states | reported_states
-    for name, size in (("judge_heldout_5.jsonl", 290), ("judge_heldout_10.jsonl", 320)):
+    for name, size in (("judge_heldout_5.jsonl", 290), ("judge_heldout_11.jsonl", 320)):
         blind = load_cases(DATA / name)
         assert len(blind) >= size
         for case in blind:
@@ -344,6 +352,7 @@ def test_failure_cues_by_kind_of_tool_output():
         '{"timed_out": true}',
         "web1 : ok=3 changed=0 unreachable=1 failed=0 skipped=0",  # the same recap with a host down
         "web1 : ok=3 changed=0 unreachable=0 failed=2 skipped=0",
+        'gpg: BAD signature from "Ann Lee <ann@example.org>" [unknown]',  # a signature that does not verify
     ]
     for text in failures:
         assert cues.tool_failure(text) is not None, text
@@ -362,6 +371,7 @@ def test_failure_cues_by_kind_of_tool_output():
         '{"exit_code": 0, "stdout": "ok", "timed_out": false}',
         "web1 : ok=12 changed=3 unreachable=0 failed=0 skipped=1 rescued=0 ignored=0",  # an Ansible recap: zero counts as key=value
         "errors=0 warnings=2",
+        'gpg: Good signature from "Ann Lee <ann@example.org>" [unknown]',
     ]
     for text in successes:
         assert cues.tool_failure(text) is None, text
@@ -376,17 +386,17 @@ def judge():
 
 
 async def test_blind_held_out_accuracy_floor(judge):
-    cases = load_cases(DATA / "judge_heldout_10.jsonl")
+    cases = load_cases(DATA / "judge_heldout_11.jsonl")
     report = await evaluate(judge, cases)
-    # The tenth held-out set: written blind by a helper that saw neither the judge code nor any
-    # other set's cases, committed before any judge was scored on it, and scored once by the
-    # thirteenth candidate (the classifier and the n-gram model, fitted on 5,798 cases with the
-    # ninth set and 300 cases written by kind in them): 282/325 = 0.868 with 5 corrections at +1.
-    # Afterwards, on the then spent set: the twelfth candidate (5,173 cases) 0.846 with 5. (The
-    # ninth set, scored once by the twelfth: 0.889 with 6.) The bar is 0.92 with none;
+    # The eleventh held-out set: written blind by a helper that saw neither the judge code nor
+    # any other set's cases, committed before any judge was scored on it, and scored once by the
+    # fourteenth candidate (the classifier and the n-gram model, fitted on 6,552 cases with the
+    # tenth set and 429 cases written by kind in them; more languages in the redo cue):
+    # 288/325 = 0.886 with 4 corrections at +1. (The tenth set, scored once by the thirteenth:
+    # 0.868 with 5; the ninth by the twelfth: 0.889 with 6.) The bar is 0.92 with none;
     # the floor guards against a regression, it is not the target.
-    assert report["accuracy"] >= 0.86, report["misses"]
-    assert report["confusion"][-1][1] <= 5, report["misses"]
+    assert report["accuracy"] >= 0.88, report["misses"]
+    assert report["confusion"][-1][1] <= 4, report["misses"]
 
 
 async def test_spent_fifth_set_floor(judge):
@@ -396,7 +406,7 @@ async def test_spent_fifth_set_floor(judge):
     # request or a verdict with an edit word before moving on is never +1), 0.911 with none for
     # the eleventh (the committee), 0.918 with none for the classifier shipped after it, 0.934
     # with 1 for the twelfth (the classifier and the n-gram model), 0.938 with 1 for the
-    # thirteenth (the same on more data). A regression guard.
+    # thirteenth (the same on more data), 0.941 with 1 for the fourteenth. A regression guard.
     report = await evaluate(judge, load_cases(DATA / "judge_heldout_5.jsonl"))
     assert report["accuracy"] >= 0.93, report["misses"]
     assert report["confusion"][-1][1] <= 1, report["misses"]

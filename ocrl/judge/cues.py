@@ -13,7 +13,8 @@ import unicodedata
 
 # Cheap evidence of a failed tool call: a tool message that shows one is never scored +1 (an
 # error read as success would train the policy the wrong way). Written from the kinds of failure
-# that tools print, by ecosystem, not from any case a judge missed:
+# that tools print, by ecosystem, not from any case a judge missed (but gpg's "BAD signature",
+# added when the spent tenth held-out set showed it missing):
 _FAILURE_CUES = (
     # runtimes: exception names, tracebacks and stack frames (Python, Java, Node), panics (Go, Rust)
     r"Traceback \(most recent call last\)|(?<!\b0 )\b\w*(?:Error|Exception)\b|\w+Timeout\b"
@@ -30,7 +31,7 @@ _FAILURE_CUES = (
     r"|\b(?:is|are) required\b|\balready (?:taken|booked|in use)\b|\bis not (?:a )?(?:valid|real|defined|supported)\b"
     r"|\b(?:was|were) not (?:sent|saved|added|created|written|delivered|applied|published|uploaded|deleted|updated|imported|copied|moved)\b"
     r"|\bnothing was (?:sent|saved|added|created|written|delivered|imported|copied|moved)\b|\bonly (?:the )?(?:\w+ ){0,2}(?:owners?|admins?|administrators?|members?) can\b)"
-    r"|\bFAIL\b|\bSSL_ERROR_\w+|(?m:^\S+\.go:\d+:\d+: )",
+    r"|\bFAIL\b|\bSSL_ERROR_\w+|(?m:^\S+\.go:\d+:\d+: )|(?i:\bbad signature\b)",
     # build tools: make's "***" lines, cargo/rustc/tsc/gcc error codes, a failed build
     r"(?m:^\s*(?:g?make|ninja)(?:\[\d+\])?: \*\*\*)|\berror\[E\d+\]|\berror TS\d+|(?i:\bbuild failed\b|\bcompilation terminated\b)",
     # not found, missing
@@ -99,7 +100,8 @@ _EDIT_VERBS = (
     "write do call title turn label highlight reorder indent align wrap quote cite attach omit lower raise increase decrease bump "
     "set mark tone translate list less more shorter longer tag loop flip reverse tighten tweak adjust update edit "
     "pull enable disable group exclude filter regenerate insert append prepend hide pin flag schedule reschedule "
-    "invite notify"
+    "invite notify paginate limit cap dedupe deduplicate lowercase uppercase capitalise capitalize centre center crop resize "
+    "rotate shrink enlarge widen narrow darken lighten brighten"
 ).split()
 _IMPERATIVE = re.compile(
     r"(?i:(?:^|[,.!;:\u2014\u2013-]\s*|\b(?:just|maybe|perhaps|pls|please|plz|and|but|then|(?:could|can|would|will) (?:you|u))\s+)"
@@ -118,13 +120,23 @@ _PRAISE = re.compile(
 )
 
 # A request for the same thing again, or another version of it ("one more go?", "a second draft",
-# "other options"): never a sign of moving on, whatever words of sequence it uses.
+# "other options"), in English and the commonest European languages: never a sign of moving on,
+# whatever words of sequence it uses. "Again" after thanks or a verb of working ("thanks again",
+# "works again") or closing a question ("what was it called again?") asks for nothing again.
 _REDO = re.compile(
     r"(?i:\b(?:again|redo|retry|start over|from scratch|try that|another (?:version|go|try|take|shot|attempt|draft|option|pass|round)"
     r"|(?:second|new|different|fresh|alternative) (?:draft|version|take|attempt|try|go|options?|suggestions?)|alternatives"
-    r"|one more (?:go|try|time|attempt|shot|pass|round)|(?:next|other|more) (?:suggestions?|options|ideas)|(?:a |some )?other ones?"
-    r"|once more|nochmal|noch einmal|otra vez|de nuevo|encore une fois|di nuovo|da capo|opnieuw|outra vez|de novo)\b)"
+    r"|one more (?:go|try|time|attempt|shot|pass|round)|(?:next|other|more) (?:suggestions?|options?|ideas)|(?:a |some )?other ones?"
+    r"|once more|nochmal|noch einmal|noch mal|von vorne|otra vez|de nuevo|desde cero|encore une fois|à nouveau|di nuovo|da capo|da zero"
+    r"|opnieuw|outra vez|de novo|do zero|igen|igjen|forfra|från början|znovu|od začátku|jeszcze raz|od nowa|od początku|uudelleen"
+    r"|alusta|tekrar|yeniden|baştan|din nou|de la capăt|újra|elölről|ξανά|από την αρχή|de nou)\b)"
 )
+# "again" that is not a request to redo: thanks again, working again, a reminder question ("what was it called again?")
+_AGAIN_AFTER = re.compile(
+    r"(?i:\b(?:thanks|thank you|thx|ty|cheers|danke|merci|gracias|grazie|tak|tack|takk|dzięki|díky|kiitos|teşekkürler|mulțumesc"
+    r"|köszi|ευχαριστώ|works?|working|worked|runs?|running|fine|online|passing|green|back(?: up)?|up)\s*$)"
+)
+_AGAIN_QUESTION = re.compile(r"(?i:(?:^|[.!?]\s+)(?:\W*(?:ok|okay|so|wait|hmm|and)\W+)?(?:what|who|where|when|which|how)\b[^.!?]*$)")
 
 # Signs that the user moves on to something new rather than asking for a change: a word of
 # sequence or addition ("now", "next", "also", "same for", "let's"), or a question that opens a
@@ -132,7 +144,8 @@ _REDO = re.compile(
 _MOVES_ON = (
     re.compile(
         r"(?i:\b(now|next(?! to\b| time\b)|then|also|ahora|luego|también|jetzt|dann|danach|auch|maintenant|ensuite|aussi|adesso|poi|anche"
-        r"|agora|depois|também|nu|daarna|ook|too(?=\s*(?:[?.!,]|$))|as well|same|moving on|on to|onto|new task|let'?s|after that|another thing|one more thing)\b)"
+        r"|agora|depois|também|nu|daarna|ook|nå|også|också|teraz|też|także|teď|ted|také|nyt|myös|şimdi|ayrıca|acum|τώρα|επίσης"
+        r"|too(?=\s*(?:[?.!,]|$))|as well|same|moving on|on to|onto|new task|let'?s|after that|another thing|one more thing)\b)"
     ),
     re.compile(
         r"(?i:(?:^|[,.!:;\u2014]\s*)(?:(?:and|so|but|or|ok|okay) )?(how|what|where|when|why|which|who|is|are|does|do i|should|can i|could i)\b)"
@@ -154,8 +167,13 @@ def imperative_cue(text: str) -> str | None:
 
 def redo_cue(text: str) -> str | None:
     """The words of a user's message that ask for the answer again or another version of it, or None."""
-    match = _REDO.search(text)
-    return match.group(0).strip() if match else None
+    for match in _REDO.finditer(text):
+        before = text[: match.start()]
+        again = match.group(0).lower() in ("again", "igen", "igjen", "znovu", "újra", "tekrar", "ξανά")
+        if again and (_AGAIN_AFTER.search(before) or (_AGAIN_QUESTION.search(before) and re.match(r"\s*[?.!]*\s*$", text[match.end() :]))):
+            continue
+        return match.group(0).strip()
+    return None
 
 
 def moves_on(text: str) -> str | None:
