@@ -140,12 +140,15 @@ def test_the_classifier_is_fitted_once_then_read_from_the_cache(tmp_path, monkey
     fitted.load_or_fit(judge_classifier.Classifier(path, settings), data)
     assert fits == [8, 9]  # new data, new fit
     assert len(list((tmp_path / "embed-judge").glob("*.safetensors"))) == 2
+    # only the newest few fits of each kind stay (a classifier is ~87 MiB): shown with n-gram
+    # models, which fit in a blink; the other kind's files are left alone
+    small = NGramSettings(buckets=1 << 10, epochs=2)
     newest = []
-    for extra in ("great", "thx", "wrong again", "nice one", "broken")[: fitted.KEEP_CACHED]:
+    for extra in ("great", "thx", "wrong again", "nice one", "broken")[: fitted.KEEP_CACHED + 1]:
         data.write_text(data.read_text() + json.dumps({"next_state": extra, "role": "user", "expected": 1}) + "\n")
-        newest.append(fitted.load_or_fit(judge_classifier.Classifier(path, settings), data).cache_path(data.read_bytes()))
-    # only the newest few fitted classifiers stay (each is ~87 MiB)
-    assert sorted((tmp_path / "embed-judge").glob("*.safetensors")) == sorted(newest[-fitted.KEEP_CACHED :])
+        newest.append(fitted.load_or_fit(ngrams.NGramModel(small), data).cache_path(data.read_bytes()))
+    assert sorted((tmp_path / "embed-judge").glob("ngrams-*.safetensors")) == sorted(newest[-fitted.KEEP_CACHED :])
+    assert len(list((tmp_path / "embed-judge").glob("judge-*.safetensors"))) == 2
 
 
 def test_the_committee_is_the_weighted_geometric_mean_of_its_members_each_fitted_and_cached_alone(tmp_path, monkeypatch):
@@ -205,6 +208,34 @@ def test_the_ngram_model_reads_characters_and_words_and_fits_deterministically(t
     assert fits == [len(TINY) - 1]
     torch.testing.assert_close(cached.read(items), first.read(items), rtol=0, atol=0)
     torch.testing.assert_close(fitted_model.read(items), first.read(items), rtol=0, atol=0)
+
+
+def test_a_fit_under_way_in_another_process_is_waited_for_and_read_not_repeated(tmp_path, monkeypatch):
+    import fcntl
+    import threading
+
+    monkeypatch.setenv("OCRL_CACHE", str(tmp_path))
+    data = tmp_path / "fit.jsonl"
+    data.write_text("".join(json.dumps({"next_state": s, "role": r, "expected": e}) + "\n" for s, r, e in TINY[:-1]))
+    settings = NGramSettings(buckets=1 << 10, epochs=5)
+    elsewhere = ngrams.NGramModel(settings)  # what the other process fits
+    elsewhere.fit(load_cases(data))
+    path = elsewhere.cache_path(data.read_bytes())
+    path.parent.mkdir(parents=True)
+    fits = []
+    monkeypatch.setattr(ngrams.NGramModel, "fit", lambda model, cases, progress=None: fits.append(len(cases)))
+    with open(fitted.lock_path(path), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # the other process holds the lock while it fits
+        done = []
+        waiter = threading.Thread(target=lambda: done.append(fitted.load_or_fit(ngrams.NGramModel(settings), data)))
+        waiter.start()
+        waiter.join(0.5)
+        assert waiter.is_alive() and not done  # waiting, not fitting
+        fitted.save_cached(elsewhere.state_dict(), path)
+    waiter.join(10)
+    assert done and fits == []  # read what the other wrote
+    items = [("thanks!", "user", ""), ("Error: boom", "tool", "")]
+    torch.testing.assert_close(done[0].read(items), elsewhere.read(items), rtol=0, atol=0)
 
 
 def test_a_tool_failure_is_never_scored_plus_one():
@@ -302,7 +333,7 @@ def test_a_user_edit_cue_keeps_plus_one_away_unless_the_classifier_is_sure():
 def test_shipped_fit_data_and_held_out_cases_are_valid_and_disjoint():
     fit = load_cases(FIT_DATA)
     reported = load_cases(DATA / "prm_cases.jsonl")
-    assert len(fit) >= 6500
+    assert len(fit) >= 6800
     for case in fit:
         assert case.role in ("user", "tool") and case.expected in (1, -1, 0)
     fit_states = {case.next_state for case in fit}
@@ -311,11 +342,11 @@ def test_shipped_fit_data_and_held_out_cases_are_valid_and_disjoint():
     kinds = {"tool_ok", "tool_error", "tool_neutral", "thanks", "approval", "next_task", "correction", "redo", "change_request",
              "complaint", "off_topic", "ambiguous"}
     assert kinds <= {case.kind for case in fit}
-    # the fifth (spent, a regression floor) and eleventh held-out sets, each written blind and
+    # the fifth (spent, a regression floor) and thirteenth held-out sets, each written blind and
     # committed before any judge was scored on it: disjoint from the fit data, the reported
     # cases and each other
     seen = fit_states | reported_states
-    for name, size in (("judge_heldout_5.jsonl", 290), ("judge_heldout_11.jsonl", 320)):
+    for name, size in (("judge_heldout_5.jsonl", 290), ("judge_heldout_13.jsonl", 320)):
         blind = load_cases(DATA / name)
         assert len(blind) >= size
         for case in blind:
@@ -353,6 +384,9 @@ def test_failure_cues_by_kind_of_tool_output():
         "web1 : ok=3 changed=0 unreachable=1 failed=0 skipped=0",  # the same recap with a host down
         "web1 : ok=3 changed=0 unreachable=0 failed=2 skipped=0",
         'gpg: BAD signature from "Ann Lee <ann@example.org>" [unknown]',  # a signature that does not verify
+        "67% tests passed, 1 tests failed out of 3",  # counts of failures that are not zero
+        "==4821== ERROR SUMMARY: 3 errors from 3 contexts",
+        "Errors 2",
     ]
     for text in failures:
         assert cues.tool_failure(text) is not None, text
@@ -372,6 +406,11 @@ def test_failure_cues_by_kind_of_tool_output():
         "web1 : ok=12 changed=3 unreachable=0 failed=0 skipped=1 rescued=0 ignored=0",  # an Ansible recap: zero counts as key=value
         "errors=0 warnings=2",
         'gpg: Good signature from "Ann Lee <ann@example.org>" [unknown]',
+        "100% tests passed, 0 tests failed out of 3",  # counts of failures that are zero
+        "==4821== ERROR SUMMARY: 0 errors from 0 contexts",
+        "Errors 0",
+        "default | 4\nfailed  | 0",
+        '{"uploadStatus": "SUCCESS", "failures": []}',
     ]
     for text in successes:
         assert cues.tool_failure(text) is None, text
@@ -386,17 +425,17 @@ def judge():
 
 
 async def test_blind_held_out_accuracy_floor(judge):
-    cases = load_cases(DATA / "judge_heldout_11.jsonl")
+    cases = load_cases(DATA / "judge_heldout_13.jsonl")
     report = await evaluate(judge, cases)
-    # The eleventh held-out set: written blind by a helper that saw neither the judge code nor
+    # The thirteenth held-out set: written blind by a helper that saw neither the judge code nor
     # any other set's cases, committed before any judge was scored on it, and scored once by the
-    # fourteenth candidate (the classifier and the n-gram model, fitted on 6,552 cases with the
-    # tenth set and 429 cases written by kind in them; more languages in the redo cue):
-    # 288/325 = 0.886 with 4 corrections at +1. (The tenth set, scored once by the thirteenth:
-    # 0.868 with 5; the ninth by the twelfth: 0.889 with 6.) The bar is 0.92 with none;
-    # the floor guards against a regression, it is not the target.
-    assert report["accuracy"] >= 0.88, report["misses"]
-    assert report["confusion"][-1][1] <= 4, report["misses"]
+    # sixteenth candidate (the classifier and the n-gram model, fitted on 6,877 cases with the
+    # eleventh set in them; a count of failures that is zero is no failure sign): 298/325 =
+    # 0.917 with 3 corrections at +1. (The twelfth set, scored once by the fifteenth: 0.874 with
+    # 7; the eleventh by the fourteenth: 0.886 with 4.) The bar is 0.92 with none; the
+    # floor guards against a regression, it is not the target.
+    assert report["accuracy"] >= 0.91, report["misses"]
+    assert report["confusion"][-1][1] <= 3, report["misses"]
 
 
 async def test_spent_fifth_set_floor(judge):
@@ -406,7 +445,8 @@ async def test_spent_fifth_set_floor(judge):
     # request or a verdict with an edit word before moving on is never +1), 0.911 with none for
     # the eleventh (the committee), 0.918 with none for the classifier shipped after it, 0.934
     # with 1 for the twelfth (the classifier and the n-gram model), 0.938 with 1 for the
-    # thirteenth (the same on more data), 0.941 with 1 for the fourteenth. A regression guard.
+    # thirteenth (the same on more data), 0.941 with 1 for the fourteenth, 0.954 with 1 for the
+    # sixteenth. A regression guard.
     report = await evaluate(judge, load_cases(DATA / "judge_heldout_5.jsonl"))
-    assert report["accuracy"] >= 0.93, report["misses"]
+    assert report["accuracy"] >= 0.94, report["misses"]
     assert report["confusion"][-1][1] <= 1, report["misses"]

@@ -6,6 +6,7 @@ back down once the clients are gone (a leaked socket or file would stay)."""
 from __future__ import annotations
 
 import anyio
+import pytest
 
 from conftest import API_KEY, Daemon
 from ocrl.bench import soak
@@ -13,6 +14,7 @@ from ocrl.bench import soak
 SESSIONS, SECONDS = 100, 20
 
 
+@pytest.mark.slow  # ~80 s on two cores; `./run.sh bench soak` is the long form
 async def test_soak_fails_nothing_grows_little_and_accounts_for_every_sample(tmp_path):
     # The prefix cache keeps KV on purpose (bounded, tested in test_prefix_cache.py) and its churn
     # leaves freed memory in the allocator: off here, so that growth means a leak.

@@ -63,9 +63,28 @@ _TOOL_FAILURE = re.compile("|".join(f"(?:{cue})" for cue in _FAILURE_CUES))
 
 
 def tool_failure(text: str) -> str | None:
-    """The first sign of a failed tool call in its output, or None."""
-    match = _TOOL_FAILURE.search(text)
-    return match.group(0).strip() if match else None
+    """The first sign of a failed tool call in its output, or None. A count of failures that is
+    zero is no sign: "0 tests failed", "Errors 0", "failed | 0", "ERROR SUMMARY: 0 errors",
+    `"failures": []`."""
+    for match in _TOOL_FAILURE.finditer(text):
+        if not _zero_count(text, match):
+            return match.group(0).strip()
+    return None
+
+
+_COUNTED = re.compile(r"(?i:errors|failed|failures?|fails)")
+_ZERO_AFTER = re.compile(r"(?i:\s*(?:summary|count|total)?\W{0,4}\s*(?:0|\[\]|\{\}|none|null)(?![\w.%]|,\d))")
+_ZERO_BEFORE = re.compile(r"(?i:\b0 (?:[a-z]+ ){1,2}$)")
+
+
+def _zero_count(text: str, match: re.Match[str]) -> bool:
+    """Whether a failure word is the label of a count that is zero (the word then a 0, or an
+    empty list; or "0" and a word or two before it) or the head of a summary of one."""
+    after = text[match.end() : match.end() + 16]
+    counted = _COUNTED.fullmatch(match.group(0).strip()) is not None
+    if (counted or re.match(r"(?i:\s+(?:summary|count|total)\b)", after)) and _ZERO_AFTER.match(after):
+        return True
+    return counted and _ZERO_BEFORE.search(text[max(0, match.start() - 30) : match.start()]) is not None
 
 
 

@@ -1,7 +1,8 @@
 """The CPU judge's fitted readers and their cache: what a reader of next states offers the
 committee (`Reader`: the fine-tuned classifier and the n-gram model both do), where its fitted
 weights live (`weights_path`, keyed by the fit data and everything else that decides them), how
-they are written (`save_cached`), and `load_or_fit`: read from the cache, or fitted and cached.
+they are written (`save_cached`), and `load_or_fit`: read from the cache, or fitted and cached,
+by one process at a time.
 
 Fitting happens once per box and data revision (the classifier takes minutes); the cache is
 `$OCRL_CACHE/embed-judge/`, and only the newest few of each kind stay there.
@@ -9,6 +10,7 @@ Fitting happens once per box and data revision (the classifier takes minutes); t
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import os
@@ -69,11 +71,14 @@ def save_cached(tensors: dict[str, torch.Tensor], path: Path) -> None:
     for old in cached[KEEP_CACHED:]:
         if old != path:
             old.unlink(missing_ok=True)
+            lock_path(old).unlink(missing_ok=True)
 
 
 def load_or_fit(reader: Reader, data_path: Path) -> Reader:
     """The reader, its weights read from the cache, or fitted on the labelled cases at
-    `data_path` (progress logged) and cached when missing."""
+    `data_path` (progress logged) and cached when missing. One process fits a given reader at a
+    time (a lock file beside the weights): another that needs it waits, then reads what the
+    first wrote, rather than fitting it too (two fits on a small box each take four times as long)."""
     from safetensors.torch import load_file
 
     data = data_path.read_bytes()
@@ -81,11 +86,26 @@ def load_or_fit(reader: Reader, data_path: Path) -> Reader:
     if path.exists():
         reader.load_state_dict(load_file(str(path)))
         return reader
-    cases = load_cases(data_path)
-    log.info("embed judge: fitting the %s on %d labelled cases (first use of this data on this box; cached after)", reader.name, len(cases))
-    started = time.perf_counter()
-    reader.fit(cases, lambda line: log.info("embed judge: %s", line))
-    save_cached(reader.state_dict(), path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock_path(path), "w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("embed judge: another process is fitting the %s on this data; waiting for it", reader.name)
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        if path.exists():
+            reader.load_state_dict(load_file(str(path)))
+            return reader
+        cases = load_cases(data_path)
+        log.info("embed judge: fitting the %s on %d labelled cases (first use of this data on this box; cached after)", reader.name, len(cases))
+        started = time.perf_counter()
+        reader.fit(cases, lambda line: log.info("embed judge: %s", line))
+        save_cached(reader.state_dict(), path)
     log.info("embed judge: %s fitted in %.0fs, cached at %s", reader.name, time.perf_counter() - started, path)
     shutil.rmtree(path.parent.parent / "embed-head", ignore_errors=True)  # the earlier linear head's cache
     return reader
+
+
+def lock_path(path: Path) -> Path:
+    """The lock file a fit of these weights holds."""
+    return path.with_name(f"{path.name}.lock")
