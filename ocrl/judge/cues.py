@@ -75,6 +75,7 @@ def tool_failure(text: str) -> str | None:
 _COUNTED = re.compile(r"(?i:errors|failed|failures?|fails)")
 _ZERO_AFTER = re.compile(r"(?i:\s*(?:summary|count|total)?\W{0,4}\s*(?:0|\[\]|\{\}|none|null)(?![\w.%]|,\d))")
 _ZERO_BEFORE = re.compile(r"(?i:\b0 (?:[a-z]+ ){1,2}$)")
+_SUMMARY_HEAD = re.compile(r"(?i:\s+(?:summary|count|total)\b)")
 
 
 def _zero_count(text: str, match: re.Match[str]) -> bool:
@@ -82,7 +83,7 @@ def _zero_count(text: str, match: re.Match[str]) -> bool:
     empty list; or "0" and a word or two before it) or the head of a summary of one."""
     after = text[match.end() : match.end() + 16]
     counted = _COUNTED.fullmatch(match.group(0).strip()) is not None
-    if (counted or re.match(r"(?i:\s+(?:summary|count|total)\b)", after)) and _ZERO_AFTER.match(after):
+    if (counted or _SUMMARY_HEAD.match(after)) and _ZERO_AFTER.match(after):
         return True
     return counted and _ZERO_BEFORE.search(text[max(0, match.start() - 30) : match.start()]) is not None
 
@@ -142,13 +143,15 @@ _PRAISE = re.compile(
 # "other options"), in English and the commonest European languages: never a sign of moving on,
 # whatever words of sequence it uses. "Again" after thanks or a verb of working ("thanks again",
 # "works again") or closing a question ("what was it called again?") asks for nothing again.
+# the words for "again" alone (read apart in `redo_cue`: "thanks again" asks for nothing again)
+_AGAIN = ("again", "igen", "igjen", "znovu", "újra", "tekrar", "ξανά")
 _REDO = re.compile(
-    r"(?i:\b(?:again|redo|retry|start over|from scratch|try that|another (?:version|go|try|take|shot|attempt|draft|option|pass|round)"
+    r"(?i:\b(?:" + "|".join(_AGAIN) + r"|redo|retry|start over|from scratch|try that|another (?:version|go|try|take|shot|attempt|draft|option|pass|round)"
     r"|(?:second|new|different|fresh|alternative) (?:draft|version|take|attempt|try|go|options?|suggestions?)|alternatives"
     r"|one more (?:go|try|time|attempt|shot|pass|round)|(?:next|other|more) (?:suggestions?|options?|ideas)|(?:a |some )?other ones?"
     r"|once more|nochmal|noch einmal|noch mal|von vorne|otra vez|de nuevo|desde cero|encore une fois|à nouveau|di nuovo|da capo|da zero"
-    r"|opnieuw|outra vez|de novo|do zero|igen|igjen|forfra|från början|znovu|od začátku|jeszcze raz|od nowa|od początku|uudelleen"
-    r"|alusta|tekrar|yeniden|baştan|din nou|de la capăt|újra|elölről|ξανά|από την αρχή|de nou)\b)"
+    r"|opnieuw|outra vez|de novo|do zero|forfra|från början|od začátku|jeszcze raz|od nowa|od początku|uudelleen"
+    r"|alusta|yeniden|baştan|din nou|de la capăt|elölről|από την αρχή|de nou)\b)"
 )
 # "again" that is not a request to redo: thanks again, working again, a reminder question ("what was it called again?")
 _AGAIN_AFTER = re.compile(
@@ -156,6 +159,7 @@ _AGAIN_AFTER = re.compile(
     r"|köszi|ευχαριστώ|works?|working|worked|runs?|running|fine|online|passing|green|back(?: up)?|up)\s*$)"
 )
 _AGAIN_QUESTION = re.compile(r"(?i:(?:^|[.!?]\s+)(?:\W*(?:ok|okay|so|wait|hmm|and)\W+)?(?:what|who|where|when|which|how)\b[^.!?]*$)")
+_CLOSING = re.compile(r"\s*[?.!]*\s*$")
 
 # Signs that the user moves on to something new rather than asking for a change: a word of
 # sequence or addition ("now", "next", "also", "same for", "let's"), or a question that opens a
@@ -188,8 +192,8 @@ def redo_cue(text: str) -> str | None:
     """The words of a user's message that ask for the answer again or another version of it, or None."""
     for match in _REDO.finditer(text):
         before = text[: match.start()]
-        again = match.group(0).lower() in ("again", "igen", "igjen", "znovu", "újra", "tekrar", "ξανά")
-        if again and (_AGAIN_AFTER.search(before) or (_AGAIN_QUESTION.search(before) and re.match(r"\s*[?.!]*\s*$", text[match.end() :]))):
+        again = match.group(0).lower() in _AGAIN
+        if again and (_AGAIN_AFTER.search(before) or (_AGAIN_QUESTION.search(before) and _CLOSING.match(text, match.end()))):
             continue
         return match.group(0).strip()
     return None

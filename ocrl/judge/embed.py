@@ -61,10 +61,9 @@ def cross_validate(
     for fold in range(folds):
         held = [i for i in range(len(cases)) if i % folds == fold]
         train, items = [case for i, case in enumerate(cases) if i % folds != fold], [item_of(cases[i]) for i in held]
-        fitted = []
-        for settings, _ in members:
-            fitted.append(new_member(model_path, settings))
-            fitted[-1].fit(train, progress)
+        fitted = [new_member(model_path, settings) for settings, _ in members]
+        for member in fitted:
+            member.fit(train, progress)
         probs[held] = Committee(fitted, [weight for _, weight in members])(items)
         if progress is not None:
             progress(f"fold {fold + 1}/{folds} done, {time.perf_counter() - started:.0f}s")
