@@ -299,6 +299,38 @@ def test_imperative_cues_and_signs_of_moving_on():
     for text, words in [("prøv igen, helt forfra", "igen"), ("spróbuj jeszcze raz", "jeszcze raz"), ("next option pls", "next option")]:
         assert cues.redo_cue(text) == words, text
     assert cues.moves_on("dzięki. teraz zrób listę zakupów") == "teraz" and cues.moves_on("kiitos, nyt sama ruotsiksi") == "nyt"
+    # "again" after what happened, or in a message that thanks, asks for nothing again
+    for text in ["ugh, it strikes again 😩 thank you", "and it's humming again", "the neighbours are drilling AGAIN", "спасибо, снова работает"]:
+        assert cues.redo_cue(text) is None, text
+    assert cues.redo_cue("thanks, try again pls") is None and cues.edit_cue("thanks, try again pls") == "again"  # still an edit word
+
+
+def test_contrast_only_and_redo_words_in_scripts_and_languages_beyond_the_commonest():
+    # contrast, between spaces or punctuation, also in scripts whose vowel signs are no word characters
+    for text, word in [("được rồi, nhưng thêm giờ đến", "nhưng"), ("ok, tapi tambah jam", "tapi"), ("अच्छा है, लेकिन छोटा करो", "लेकिन"),
+                       ("ठीक, परंतु", "परंतु"), ("好的，但是改成三点", "但是"), ("ดีมาก แต่ขอสั้นกว่านี้", "แต่"), ("ωραίο, αλλά βάλε", "αλλά")]:
+        assert cues.edit_cue(text) == word, text
+    # names and code are no contrast; nor are thanks and moving on
+    for text in ["Ali sent it", "len(list) works", "perfect 👍", "terima kasih banyak!", "धन्यवाद। अब होटल ढूंढो", "ありがとう。次は寿司屋"]:
+        assert cues.edit_cue(text) is None, text
+    # "only"/"just" after an opening word or two: a softened request
+    for text, word in [("perfetto, solo togli il pesce", "solo"), ("hvala, samo promijeni datum", "samo"), ("מקסים! רק תוסיף גרביים", "רק"),
+                       ("Super ! Tu peux juste changer le nom ?", "juste")]:
+        assert cues.softened_request(text) == word, text
+    for text in ["Non ci sarei mai arrivato da solo, grazie davvero.", "solo, gracias", "thanks, just what I needed"]:
+        assert cues.softened_request(text) is None, text
+    # asking again, in more languages; a bare "again" in a message that thanks asks for nothing
+    for text, words in [("ulang lagi dong, cari nama yang lain", "ulang"), ("перепиши, пожалуйста", "перепиши"), ("重新写一个", "重新"),
+                        ("skús to ešte raz", "ešte raz"), ("שוב, בבקשה", "שוב")]:
+        assert cues.redo_cue(text) == words, text
+    assert cues.redo_cue("תודה, שוב עובד") is None
+
+
+def test_a_softened_request_after_an_opening_is_never_plus_one():
+    certain = {1: 0.97, -1: 0.02, 0: 0.01}
+    assert embed_judge.decide(certain, "מקסים! רק תוסיף שצריך להביא גרביים", "user") == (-1, "רק")
+    assert embed_judge.decide(certain, "Non ci sarei mai arrivato da solo, grazie davvero.", "user") == (1, None)  # sure, no opening
+    assert embed_judge.decide(certain, "ulang lagi dong", "user") == (-1, "ulang")  # a redo request, in Indonesian
 
 
 def test_a_user_edit_cue_keeps_plus_one_away_unless_the_classifier_is_sure():
@@ -387,6 +419,8 @@ def test_failure_cues_by_kind_of_tool_output():
         "67% tests passed, 1 tests failed out of 3",  # counts of failures that are not zero
         "==4821== ERROR SUMMARY: 3 errors from 3 contexts",
         "Errors 2",
+        "would reformat src/app.py\n\nOh no! 💥 💔 💥\n1 file would be reformatted, 3 files would be left unchanged.",  # black --check
+        "State : clean, degraded",  # a RAID array (mdadm) or a service's health with a member down
     ]
     for text in failures:
         assert cues.tool_failure(text) is not None, text
@@ -411,6 +445,8 @@ def test_failure_cues_by_kind_of_tool_output():
         "Errors 0",
         "default | 4\nfailed  | 0",
         '{"uploadStatus": "SUCCESS", "failures": []}',
+        "Succeeded files:   4 (100.0%)\nFailed files:      0 (0.0%)",  # a count of failures, named, that is zero
+        "All done! ✨ 🍰 ✨\n4 files would be left unchanged.",
     ]
     for text in successes:
         assert cues.tool_failure(text) is None, text

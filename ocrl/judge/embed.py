@@ -18,7 +18,7 @@ import anyio
 from ocrl.judge.cases import Case, evaluate, format_report, load_cases, tally
 from ocrl.judge.classifier import FIT_DATA, LABELS, FitSettings, Item, item_of, labels_to_index
 from ocrl.judge.committee import MEMBERS, Committee, load_committee, new_member
-from ocrl.judge.cues import edit_cue, imperative_cue, praise_opening, redo_cue, tool_failure, verdict_part
+from ocrl.judge.cues import edit_cue, imperative_cue, praise_opening, redo_cue, softened_request, tool_failure, verdict_part
 from ocrl.judge.ngrams import NGramSettings
 from ocrl.judge.votes import timed_verdict
 from ocrl.types import Verdict, Vote
@@ -94,9 +94,11 @@ def decide(
     word before it (in the part that speaks of the answer), p(+1) must reach `edit_guard`;
     otherwise `strict_guard` ("That's too long for me. Next: ..." is a complaint, whatever
     follows); a request with an edit word ("great, but swap steps 2 and 3") or after opening
-    thanks or praise ("Brilliant, cc my partner on it": `praise_opening`), a request for the
-    answer again, and a verdict with an edit word before moving on ("No formatting please.
-    Moving on: ...") are never +1. Chosen by
+    thanks or praise ("Brilliant, cc my partner on it": `praise_opening`), a request softened
+    by "only"/"just" after an opening word or two in a language whose verbs the cues do not know
+    ("perfetto, solo togli ...": `softened_request`), a request for the answer again, and a
+    verdict with an edit word before moving on ("No formatting please. Moving on: ...") are never
+    +1. Chosen by
     5-fold cross-validation on the fit cases, first for a linear head over frozen embeddings
     (on 2,576 cases a single 0.7 guard on `edit_cue` alone scored 0.920 with 10 corrections at
     +1, the two guards with the redo cue 0.920 with 5), then kept for the fine-tuned classifier:
@@ -115,11 +117,13 @@ def decide(
         redo = redo_cue(next_state)
         before, on = (next_state, None) if redo else verdict_part(next_state)
         edit, verb = edit_cue(next_state), None if on else imperative_cue(next_state)
+        softened = None if on else softened_request(next_state)
         cue = edit or redo or verb
         # moving on relaxes the guard only for edit words in the new request, not in the verdict before it
         relaxed = on is not None and edit_cue(before) is None
         never = (
             (verb is not None and (edit is not None or praise_opening(next_state) is not None))
+            or softened is not None
             or redo is not None
             or (on is not None and not relaxed)
         )
