@@ -9,7 +9,7 @@ fitted weights (fitted.py). The committee the judge averages is in committee.py.
 labelled cases they are fitted on ship in `ocrl/data/judge_fit.jsonl`.
 
 Each classifier is fine-tuned the first time it is needed on a box (~13 minutes on two cores for
-the 6,877 shipped cases, more for the response reader: four epochs over the shipped cases,
+the 7,202 shipped cases, more for the response reader: four epochs over the shipped cases,
 seeded, on all the box's cores, so the same data gives the same weights on the same box;
 `./run.sh` does it when it installs) and cached under
 `$OCRL_CACHE/embed-judge/`, keyed by the fit data, the encoder and the fitting settings. It
