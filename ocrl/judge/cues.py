@@ -20,14 +20,15 @@ _FAILURE_CUES = (
     r"Traceback \(most recent call last\)|(?<!\b0 )\b\w*(?:Error|Exception)\b|\w+Timeout\b"
     r"|\bpanic:|\bpanicked\b|\bgoroutine \d+ \[|(?m:^\s+at [\w$.<>]+ ?\(.*:\d+\)?\)?\s*$)",
     # words that report a failure, and exit codes (bare, or as JSON fields an agent's tool wraps them in)
-    r"(?<!\b0 )(?<!\bno )\b(?i:errors?|err!)(?![\w-]|\.\w)(?!\"?\s*[:=]\s*(?:null|\[\]|\{\}|\"\"|false|0\b))"
+    r"(?<!\b0 )(?<!\b[Nn]o )\b(?i:errors?|err!)(?![\w-]|\.\w)(?!\"?\s*[:=]\s*(?:null|\[\]|\{\}|\"\"|false|0\b))"
     r"|(?i:\b(?:exit(?:ed)?(?: with)?(?: code| status)?|non-zero exit status|returned non-zero(?: exit)?(?: status)?)\s*:?\s*[1-9])"
-    r"|(?i:\b(?:rc|exit_?code|exit_?status|return_?code|returncode)\"?\s*[=:]\s*\"?[1-9])|(?i:\btimed_?out\"?\s*[=:]\s*true\b)"
+    r"|(?i:\b(?:rc|exit|exit_?code|exit_?status|return_?code|returncode)\"?\s*[=:]\s*\"?[1-9])|(?i:\btimed_?out\"?\s*[=:]\s*true\b)"
+    r"|(?i:\"(?:status|state|result|outcome)\"\s*:\s*\"(?:failed|failure|error|errored|timed_?out|timeout|offline|unreachable|rejected|denied)\")"
     r"|\bfatal:|\bFATAL\b|\bFAILED\b|\bFAILURE\b|\bKilled\b|\b[1-9]\d* failed\b|\b(?:CrashLoop|ImagePull)BackOff\b|\bErrImagePull\b|\bOOMKilled\b"
-    r"|(?i:(?<!(?<![=:])\b0 )\bfailed\b(?![:=]?\s*0\b)|(?<!(?<![=:])\b0 )(?<!\bno )\bfailures?\b(?![:=]?\s*0\b)|\baborted\b|\bcrashed\b|\brejected\b|\bdeclined\b|\binsufficient\b|\bgiving up\b|\bgave up\b|\bunable to\b"
+    r"|(?i:(?<!(?<![=:])\b0 )\bfailed\b(?![:=]?\s*0\b)|(?<!(?<![=:])\b0 )(?<!\b[Nn]o )\bfailures?\b(?![:=]?\s*0\b)|\baborted\b|\bcrashed\b|\brejected\b|\bdeclined\b|\binsufficient\b|\bgiving up\b|\bgave up\b|\bunable to\b"
     r"|\bcould not\b|\bcouldn't\b|\bcannot\b|\bcan't\b|\binvalid\b|\bunknown (?:command|option|host|user)\b|\bunsupported\b)"
     r"|(?i:\bsegmentation fault\b|\bcore dumped\b|\bno space left\b|\bno free space\b|\bout of memory\b|\bunavailable\b|\bmismatch\b|(?<!\b0 )\bdegraded\b"
-    r"|\bunrecognized\b|\bunresolved\b|\bunexpected\b|\brolled back\b|\brevoked\b|\brestricted\b|\bread-only\b|\bview-only\b|(?<!\b0 )(?<!\bno )\bbroke(?:n)?\b"
+    r"|\bunrecognized\b|\bunresolved\b|\bunexpected\b|\brolled back\b|\brevoked\b|\brestricted\b|\bread-only\b|\bview-only\b|(?<!\b0 )(?<!\b[Nn]o )\bbroke(?:n)?\b"
     r"|\b(?:is|are) required\b|\balready (?:taken|booked|in use)\b|\bis not (?:a )?(?:valid|real|defined|supported)\b"
     r"|\b(?:was|were) not (?:sent|saved|added|created|written|delivered|applied|published|uploaded|deleted|updated|imported|copied|moved)\b"
     r"|\bnothing was (?:sent|saved|added|created|written|delivered|imported|copied|moved)\b|\bonly (?:the )?(?:\w+ ){0,2}(?:owners?|admins?|administrators?|members?) can\b)"
@@ -52,7 +53,7 @@ _FAILURE_CUES = (
     r"(?i:\bexceeded\b|\brate[- _]?limited\b|\brate[- _]?limit (?:reached|hit)\b|\btoo many requests\b|\bthrottl(?:ed|ing)\b|\bquota\b[^.\n]{0,30}\b(?:reached|full|used up)\b"
     r"|\blimit (?:reached|hit)\b|\btry again (?:later|in)\b|\btimed out\b|\btimeout (?:after|for|error|exceeded|expired)\b"
     r"|(?im:^\s*time ?out\b(?!\s*(?:[=:]|(?:is|set|of|to)\b)))"
-    r"|\bdid not (?:finish|complete|respond|return)\b|\bno response from\b|\bwithout (?:a )?response\b|(?<!\b0 )(?<!\bno )\bconflicts?\b)",
+    r"|\bdid not (?:finish|complete|respond|return)\b|\bno response from\b|\bwithout (?:a )?response\b|(?<!\b0 )(?<!\b[Nn]o )\bconflicts?\b)",
     # protocols: HTTP status lines and reason phrases, status fields, SMTP replies with enhanced codes, IMAP NO/BAD
     r"(?m:^\s*(?:HTTP/[\d.]+\s+|SMTP\s+)?[45]\d\d(?:\s+|\s*[-:]\s*)[A-Z])|\bHTTP/[\d.]+ [45]\d\d\b|\b[45]\d\d[ -][45]\.\d{1,3}\.\d{1,3}\b"
     r"|\b(?:Bad Request|Payment Required|Method Not Allowed|Not Acceptable|Request Timeout|Precondition Failed|Payload Too Large"
@@ -75,15 +76,15 @@ def tool_failure(text: str) -> str | None:
 
 
 _COUNTED = re.compile(r"(?i:errors|failed|failures?|fails)")
-_ZERO_AFTER = re.compile(r"(?i:\s*(?:summary|count|total|[a-z]+(?=\s*[:=|]))?\W{0,4}\s*(?:0|\[\]|\{\}|none|null)(?![\w.%]|,\d))")
-_ZERO_BEFORE = re.compile(r"(?i:\b0 (?:[a-z]+ ){1,2}$)")
+_ZERO_AFTER = re.compile(r"(?i:\s*(?:summary|count|total|[a-z]+(?=\s*[:=|]))?(?:\W{0,4}|[\s:.]{5,80})\s*(?:0|\[\]|\{\}|none|null|no (?:\w+ ){0,2}(?:errors?|failures?)\b)(?![\w.%]|,\d))")
+_ZERO_BEFORE = re.compile(r"(?i:\b(?:0|no) (?:[a-z]+ ){1,2}$)")
 _SUMMARY_HEAD = re.compile(r"(?i:\s+(?:summary|count|total)\b)")
 
 
 def _zero_count(text: str, match: re.Match[str]) -> bool:
     """Whether a failure word is the label of a count that is zero (the word then a 0, or an
     empty list; or "0" and a word or two before it) or the head of a summary of one."""
-    after = text[match.end() : match.end() + 16]
+    after = text[match.end() : match.end() + 96]
     counted = _COUNTED.fullmatch(match.group(0).strip()) is not None
     if (counted or _SUMMARY_HEAD.match(after)) and _ZERO_AFTER.match(after):
         return True
@@ -146,8 +147,8 @@ _ONLY = _any_of(
     "|మాత్రమే|ಮಾತ್ರ|മാത്രം|විතරක්|cuma|hanya|chỉ cần|kuphela|bakarrik|biss|vetëm|dim ond|მხოლოდ|միայն|ብቻ",
     "只需|แค่",
 )
-# an opening word or two, then a stop or a comma ("Super !", "güzel olmuş,", "hvala,", "מקסים!")
-_OPENING = re.compile(r"^\W*[^\W\d_]+(?:\s+[^\W\d_]+)?\s*[!,.]")
+# an opening of one to three words, then a stop or a comma ("Super !", "güzel olmuş,", "hvala,", "מקסים!", "খুব সুন্দর হয়েছে!")
+_OPENING = re.compile(r"^\W*[^\W\d_][^\s\d,.!?;:]*(?:\s+[^\s\d,.!?;:]+){0,2}\s*[!,.।،]")
 
 
 def edit_cue(text: str) -> str | None:
