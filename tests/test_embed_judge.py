@@ -326,6 +326,19 @@ def test_contrast_only_and_redo_words_in_scripts_and_languages_beyond_the_common
     assert cues.redo_cue("תודה, שוב עובד") is None
 
 
+def test_putting_the_answer_somewhere_acts_on_it_and_a_comparative_asks_for_a_change():
+    # "put it on the shop page", "pin it in the group chat": the answer as it stands, placed somewhere
+    for text in ["yep that's it, put it on the shop page", "lgtm, pin it in the group chat", "go ahead and add it to the router",
+                 "👍 roster's good, put it up on the event page"]:
+        assert cues.edit_cue(text) is None and cues.imperative_cue(text) is None, text
+    # putting it into a form, or another clause that edits, is still a change
+    assert cues.edit_cue("put it in a table") == "put it" and cues.imperative_cue("put it in a table") == "put"
+    assert cues.imperative_cue("put it on the page and make it bigger") == "and make"
+    # a comparative that opens a clause, after praise: never +1
+    assert cues.imperative_cue("sweet. bigger date, smaller sponsor logos") == "bigger"
+    assert embed_judge.decide({1: 0.9, -1: 0.09, 0: 0.01}, "sweet. bigger date, smaller sponsor logos", "user")[0] != 1
+
+
 def test_a_softened_request_after_an_opening_is_never_plus_one():
     certain = {1: 0.97, -1: 0.02, 0: 0.01}
     assert embed_judge.decide(certain, "מקסים! רק תוסיף שצריך להביא גרביים", "user") == (-1, "רק")
@@ -423,6 +436,8 @@ def test_failure_cues_by_kind_of_tool_output():
         "State : clean, degraded",  # a RAID array (mdadm) or a service's health with a member down
         "rtlsdr: no supported devices found.\nexit=1",  # a shell's exit status as the agent echoes it
         '{"results":[{"id":"a1","status":"ok"},{"id":"b2","status":"timed_out"}]}',  # a failure as a JSON status value
+        "Certificate Validity (UTC)   expired (2024-05-30 23:59 --> 2024-06-11 10:31)",
+        "Found 2 known vulnerabilities in 1 package",  # a scanner's findings
     ]
     for text in failures:
         assert cues.tool_failure(text) is not None, text
@@ -453,6 +468,8 @@ def test_failure_cues_by_kind_of_tool_output():
         "errors: No known data errors",  # zpool status
         "vusers.failed: .......................................... 0",  # a zero after a dotted leader
         "exit=0",
+        "Message: Certificate is up to date and has not expired",
+        "No known vulnerabilities found",
     ]
     for text in successes:
         assert cues.tool_failure(text) is None, text

@@ -32,7 +32,9 @@ _FAILURE_CUES = (
     r"|\b(?:is|are) required\b|\balready (?:taken|booked|in use)\b|\bis not (?:a )?(?:valid|real|defined|supported)\b"
     r"|\b(?:was|were) not (?:sent|saved|added|created|written|delivered|applied|published|uploaded|deleted|updated|imported|copied|moved)\b"
     r"|\bnothing was (?:sent|saved|added|created|written|delivered|imported|copied|moved)\b|\bonly (?:the )?(?:\w+ ){0,2}(?:owners?|admins?|administrators?|members?) can\b)"
-    r"|\bFAIL\b|\bSSL_ERROR_\w+|(?m:^\S+\.go:\d+:\d+: )|(?i:\bbad signature\b)",
+    r"|\bFAIL\b|\bSSL_ERROR_\w+|(?m:^\S+\.go:\d+:\d+: )|(?i:\bbad signature\b)|(?i:(?<!\b0 )(?<!\bnot )(?<!\bnever )\bexpired\b)",
+    # scanners that found something (osv-scanner, npm audit, pip-audit, grype)
+    r"(?i:\b[1-9]\d* (?:known )?vulnerabilit(?:y|ies)\b)",
     # formatters and linters run as a check: files they would change (black, ruff format, prettier)
     r"(?i:\b[1-9]\d* files? would be reformatted\b|\bwould reformat\b|\bcode style issues found\b)",
     # build tools: make's "***" lines, cargo/rustc/tsc/gcc error codes, a failed build
@@ -151,9 +153,28 @@ _ONLY = _any_of(
 _OPENING = re.compile(r"^\W*[^\W\d_][^\s\d,.!?;:]*(?:\s+[^\s\d,.!?;:]+){0,2}\s*[!,.।،]")
 
 
+# Putting the answer somewhere ("put it on the shop page", "pin it in the group chat", "add it to
+# my calendar") acts on it as it stands: no edit, whatever the verb. On the labelled cases 29 such
+# messages are approvals or next tasks and one is a change request ("put it in the order we'd ...").
+_PLACING = re.compile(
+    r"(?i:(?:put|pin|post|stick|pop|add) (?:it|them|this|that)(?: up)? (?:on|in|into|onto|to) (?:the|my|our|his|her|their)\b)"
+)
+
+
+def _first_not_placing(pattern: re.Pattern[str], text: str) -> re.Match[str] | None:
+    """The first match of `pattern` that does not open a placing of the answer (`_PLACING`), at its
+    start ("put it ...") or at its last word ("and add it ...")."""
+    for match in pattern.finditer(text):
+        last = re.search(r"\w+\W*$", match.group(0))
+        starts = {match.start(), match.start() + last.start() if last else match.start()}
+        if not any(_PLACING.match(text, start) for start in starts):
+            return match
+    return None
+
+
 def edit_cue(text: str) -> str | None:
     """The first word in a user's message that asks for the previous answer to change, or None."""
-    match = _EDIT_CUE.search(text) or _CONTRAST.search(text) or _ONLY.search(text)
+    match = _first_not_placing(_EDIT_CUE, text) or _CONTRAST.search(text) or _ONLY.search(text)
     return match.group(0).strip() if match else None
 
 
@@ -169,7 +190,10 @@ _EDIT_VERBS = (
     "set mark tone translate list less more shorter longer tag loop flip reverse tighten tweak adjust update edit "
     "pull enable disable group exclude filter regenerate insert append prepend hide pin flag schedule reschedule "
     "invite notify paginate limit cap dedupe deduplicate lowercase uppercase capitalise capitalize centre center crop resize "
-    "rotate shrink enlarge widen narrow darken lighten brighten"
+    "rotate shrink enlarge widen narrow darken lighten brighten "
+    # comparatives that open a clause ask for the answer to change too ("bigger date, smaller logos")
+    "bigger smaller larger wider narrower bolder darker lighter brighter warmer cooler louder quieter simpler clearer "
+    "friendlier punchier snappier tighter looser thicker thinner"
 ).split()
 _IMPERATIVE = re.compile(
     r"(?i:(?:^|[,.!;:\u2014\u2013-]\s*|\b(?:just|maybe|perhaps|pls|please|plz|and|but|then|(?:could|can|would|will) (?:you|u))\s+)"
@@ -184,7 +208,7 @@ _IMPERATIVE = re.compile(
 # wants changed ("Brilliant, cc my partner on it"); see `decide` in embed.py.
 _PRAISE = re.compile(
     r"(?i:^\W*(?:thanks?|thank you|thx|ty|great|love it|loving it|perfect|nice|looks good|lgtm|brilliant|awesome|amazing|super"
-    r"|excellent|cool|appreciate it|gracias|danke|merci|grazie|obrigad[oa]|bedankt|parfait|perfecto|perfekt|genial)\b)"
+    r"|excellent|cool|sweet|appreciate it|gracias|danke|merci|grazie|obrigad[oa]|bedankt|parfait|perfecto|perfekt|genial)\b)"
 )
 
 # A request for the same thing again, or another version of it ("one more go?", "a second draft",
@@ -257,7 +281,7 @@ def praise_opening(text: str) -> str | None:
 
 def imperative_cue(text: str) -> str | None:
     """The clause-opening edit verb of a user's message ("sign it ...", ", just drop ..."), or None."""
-    match = _IMPERATIVE.search(text)
+    match = _first_not_placing(_IMPERATIVE, text)
     return match.group(0).strip(" ,.!;:\u2014\u2013-") if match else None
 
 
