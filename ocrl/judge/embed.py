@@ -35,7 +35,7 @@ EDIT_GUARD = 0.7
 STRICT_GUARD = 0.8
 
 # The blind held-out set the judge is measured on (written blind, scored once; see its note)
-BLIND_SET = Path(__file__).resolve().parents[2] / "tests" / "data" / "judge_heldout_15.jsonl"
+BLIND_SET = Path(__file__).resolve().parents[2] / "tests" / "data" / "judge_heldout_16.jsonl"
 
 
 def cross_validate(
