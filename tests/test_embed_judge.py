@@ -339,6 +339,14 @@ def test_putting_the_answer_somewhere_acts_on_it_and_a_comparative_asks_for_a_ch
     assert embed_judge.decide({1: 0.9, -1: 0.09, 0: 0.01}, "sweet. bigger date, smaller sponsor logos", "user")[0] != 1
 
 
+def test_a_user_message_is_plus_one_only_above_the_positive_floor():
+    hesitant = {1: 0.55, -1: 0.30, 0: 0.15}  # +1 leads, but weakly
+    assert embed_judge.decide(hesitant, "ரொம்ப நீளமா இருக்கு", "user") == (-1, "p(+1) < 0.6")
+    assert embed_judge.decide(hesitant, "ரொம்ப நீளமா இருக்கு", "user", positive_floor=0.5) == (1, None)
+    assert embed_judge.decide(hesitant, "Upload complete", "tool") == (1, None)  # tool output has its failure cues instead
+    assert embed_judge.decide({1: 0.62, -1: 0.3, 0: 0.08}, "thanks!", "user") == (1, None)
+
+
 def test_a_softened_request_after_an_opening_is_never_plus_one():
     certain = {1: 0.97, -1: 0.02, 0: 0.01}
     assert embed_judge.decide(certain, "מקסים! רק תוסיף שצריך להביא גרביים", "user") == (-1, "רק")
@@ -438,6 +446,8 @@ def test_failure_cues_by_kind_of_tool_output():
         '{"results":[{"id":"a1","status":"ok"},{"id":"b2","status":"timed_out"}]}',  # a failure as a JSON status value
         "Certificate Validity (UTC)   expired (2024-05-30 23:59 --> 2024-06-11 10:31)",
         "Found 2 known vulnerabilities in 1 package",  # a scanner's findings
+        "/home/june/Downloads/x.pdf.exe: Win.Trojan.Agent-1128449 FOUND",  # ClamAV
+        "✅ Found verified result 🐷🔑\nDetector Type: Stripe",  # trufflehog: a live secret in the code
     ]
     for text in failures:
         assert cues.tool_failure(text) is not None, text
@@ -470,6 +480,7 @@ def test_failure_cues_by_kind_of_tool_output():
         "exit=0",
         "Message: Certificate is up to date and has not expired",
         "No known vulnerabilities found",
+        "/home/june/Downloads/pattern.pdf: OK\n----------- SCAN SUMMARY -----------\nInfected files: 0",
     ]
     for text in successes:
         assert cues.tool_failure(text) is None, text

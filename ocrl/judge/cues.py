@@ -33,8 +33,10 @@ _FAILURE_CUES = (
     r"|\b(?:was|were) not (?:sent|saved|added|created|written|delivered|applied|published|uploaded|deleted|updated|imported|copied|moved)\b"
     r"|\bnothing was (?:sent|saved|added|created|written|delivered|imported|copied|moved)\b|\bonly (?:the )?(?:\w+ ){0,2}(?:owners?|admins?|administrators?|members?) can\b)"
     r"|\bFAIL\b|\bSSL_ERROR_\w+|(?m:^\S+\.go:\d+:\d+: )|(?i:\bbad signature\b)|(?i:(?<!\b0 )(?<!\bnot )(?<!\bnever )\bexpired\b)",
-    # scanners that found something (osv-scanner, npm audit, pip-audit, grype)
-    r"(?i:\b[1-9]\d* (?:known )?vulnerabilit(?:y|ies)\b)",
+    # scanners that found something: vulnerabilities (osv-scanner, npm audit, pip-audit, grype), malware
+    # (ClamAV's "<file>: <signature> FOUND", "Infected files: 1"), secrets (trufflehog, gitleaks)
+    r"(?i:\b[1-9]\d* (?:known )?vulnerabilit(?:y|ies)\b)|(?m::\s+\S[^\n]*\sFOUND\s*$)|(?i:\binfected files:\s*[1-9])"
+    r"|(?i:\bfound (?:un)?verified result\b|\bleaks found:\s*[1-9])",
     # formatters and linters run as a check: files they would change (black, ruff format, prettier)
     r"(?i:\b[1-9]\d* files? would be reformatted\b|\bwould reformat\b|\bcode style issues found\b)",
     # build tools: make's "***" lines, cargo/rustc/tsc/gcc error codes, a failed build
