@@ -42,7 +42,7 @@ STRICT_GUARD = 0.8
 POSITIVE_FLOOR = 0.6
 
 # The blind held-out set the judge is measured on (written blind, scored once; see its note)
-BLIND_SET = Path(__file__).resolve().parents[2] / "tests" / "data" / "judge_heldout_16.jsonl"
+BLIND_SET = Path(__file__).resolve().parents[2] / "tests" / "data" / "judge_heldout_17.jsonl"
 
 
 def cross_validate(
