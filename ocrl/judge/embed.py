@@ -166,7 +166,7 @@ class EmbedJudge:
        answer (`edit_cue`: "but", "instead", "make it", ...; or, unless it moves on to a new
        request, a clause that opens with an edit verb: "sign it ...", "just drop ...") is +1
        only when the classifier is sure (`edit_guard`, `strict_guard`): a change request read as
-       approval teaches the same wrong thing.
+       approval teaches the same wrong thing. No user message is +1 below `POSITIVE_FLOOR`.
     An empty next state is 0 without a forward. Deterministic: one vote, whose text lists the
     class probabilities. The forward runs in a worker thread. Without a classifier only `vote`
     works (decisions on probabilities computed elsewhere: `cross_validate`)."""
