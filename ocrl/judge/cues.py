@@ -8,6 +8,7 @@ matched text (or the rewritten text) and knows nothing of the classifier, its fi
 
 from __future__ import annotations
 
+import itertools
 import re
 import unicodedata
 
@@ -163,11 +164,14 @@ _PLACING = re.compile(
 )
 
 
+_LAST_WORD = re.compile(r"\w+\W*$")
+
+
 def _first_not_placing(pattern: re.Pattern[str], text: str) -> re.Match[str] | None:
     """The first match of `pattern` that does not open a placing of the answer (`_PLACING`), at its
     start ("put it ...") or at its last word ("and add it ...")."""
     for match in pattern.finditer(text):
-        last = re.search(r"\w+\W*$", match.group(0))
+        last = _LAST_WORD.search(match.group(0))
         starts = {match.start(), match.start() + last.start() if last else match.start()}
         if not any(_PLACING.match(text, start) for start in starts):
             return match
@@ -234,10 +238,12 @@ _AGAIN_QUESTION = re.compile(r"(?i:(?:^|[.!?]\s+)(?:\W*(?:ok|okay|so|wait|hmm|an
 _CLOSING = re.compile(r"\s*[?.!]*\s*$")
 # The same requests in the languages the pattern above leaves out (by family, as `_CONTRAST`),
 # and the words that are a bare "again", which describe as often as they ask ("снова работает",
-# "it works again") and so ask for nothing in a message that thanks (`_THANKS`).
-_AGAIN_ELSEWHERE = "снова|опять|знову|отново|ponovo|ponovno|znova|שוב|weer|ulit|muli|আবার|kwakhona|aftur|përsëri|sërish|berriro|кайра|дахин"
+# "it works again"): every bare "again" (`_BARE_AGAIN`) is read apart in `redo_cue`.
+_AGAIN_ELSEWHERE = ("снова", "опять", "знову", "отново", "ponovo", "ponovno", "znova", "שוב", "weer", "ulit", "muli", "আবার",
+                    "kwakhona", "aftur", "përsëri", "sërish", "berriro", "кайра", "дахин")
+_BARE_AGAIN = frozenset(_AGAIN + _AGAIN_ELSEWHERE)
 _REDO_ELSEWHERE = _any_of(
-    _AGAIN_ELSEWHERE + "|ещё раз|еще раз|заново|переделай|перепиши|ще раз|переробіть|переробити|яшчэ раз|нанова|още веднъж|наново"
+    "|".join(_AGAIN_ELSEWHERE) + "|ещё раз|еще раз|заново|переделай|перепиши|ще раз|переробіть|переробити|яшчэ раз|нанова|още веднъж|наново"
     "|повторно|уште еднаш|одново|još jednom|još jedanput|iznova|ispočetka|od početka|поново|још једном|испочетка|še enkrat|od začetka"
     "|ešte raz|odznova|od začiatku|làm lại|viết lại|thử lại|lại từ đầu|một lần nữa|ulang|ulangi|ulangin|sekali lagi|dari awal|semula"
     "|ulitin|mula sa umpisa|फिर से|दोबारा|दुबारा|एक बार और|پھر سے|دوبارہ|আবারও|पुन्हा|फेरि|ફરીથી|ਦੁਬਾਰਾ|ਫਿਰ ਤੋਂ|மீண்டும்|మళ్ళీ"
@@ -300,15 +306,12 @@ def softened_request(text: str) -> str | None:
 def redo_cue(text: str) -> str | None:
     """The words of a user's message that ask for the answer again or another version of it, or None."""
     thanks = _THANKS.search(text) is not None
-    for match in _REDO.finditer(text):
+    for match in itertools.chain(_REDO.finditer(text), _REDO_ELSEWHERE.finditer(text)):
         before = text[: match.start()]
-        again = match.group(0).lower() in _AGAIN
+        again = match.group(0).lower() in _BARE_AGAIN
         if again and (thanks or _AGAIN_AFTER.search(before) or (_AGAIN_QUESTION.search(before) and _CLOSING.match(text, match.end()))):
             continue
         return match.group(0).strip()
-    for match in _REDO_ELSEWHERE.finditer(text):
-        if not (thanks and match.group(0).lower() in _AGAIN_ELSEWHERE.split("|")):
-            return match.group(0).strip()
     return None
 
 
