@@ -255,6 +255,11 @@ def test_edit_cues_in_user_messages():
         assert cues.edit_cue(text) is not None, text
     for text in ["thanks!", "perfect 👍", "ship it", "great, now make a meal plan", "next: the login page"]:
         assert cues.edit_cue(text) is None, text
+    # a "but" that concedes before thanks or acceptance, and a comparison with "than", ask for nothing
+    for text in ["grim but useful, thanks", "ugh, six forms but fine", "more steps than I hoped lol, cheers"]:
+        assert cues.edit_cue(text) is None and cues.imperative_cue(text) is None, text
+    assert cues.edit_cue("thanks, but swap the last two") == "but"
+    assert cues.imperative_cue("great. more detail on step 2") == "more"
 
 
 def test_imperative_cues_and_signs_of_moving_on():
@@ -376,8 +381,11 @@ def test_a_user_edit_cue_keeps_plus_one_away_unless_the_classifier_is_sure():
     assert embed_judge.decide(certain, "Thanks! Now: who wrote Hamlet?", "user") == (1, None)
     # a redo request never moves on, whatever its words of sequence ("next", "let's")
     assert embed_judge.decide(fairly_sure, "let's have a second draft", "user") == (-1, "second draft")
-    # thanks or praise, then a request: never +1
+    # thanks or praise, then a request with no edit word: +1 only from the praise guard (0.98); it
+    # may act on the answer ("order that") or change it ("cc my partner on it")
     assert embed_judge.decide({1: 0.97, -1: 0.03, 0: 0.0}, "Brilliant, cc my partner on it", "user") == (-1, "cc")
+    assert embed_judge.decide({1: 0.99, -1: 0.01, 0: 0.0}, "nice, order two of those from the shop", "user") == (1, None)
+    assert embed_judge.decide({1: 0.97, -1: 0.03, 0: 0.0}, "nice, order two of those from the shop", "user") == (-1, "order")
     # an edit word and an edit verb together: never +1
     assert embed_judge.decide({1: 0.96, -1: 0.04, 0: 0.0}, "great, but swap steps 2 and 3", "user") == (-1, "but")
     assert embed_judge.decide(probs, "it is too long", "user", edit_guard=0.0, strict_guard=0.0) == (1, None)
@@ -448,6 +456,9 @@ def test_failure_cues_by_kind_of_tool_output():
         "Found 2 known vulnerabilities in 1 package",  # a scanner's findings
         "/home/june/Downloads/x.pdf.exe: Win.Trojan.Agent-1128449 FOUND",  # ClamAV
         "✅ Found verified result 🐷🔑\nDetector Type: Stripe",  # trufflehog: a live secret in the code
+        "Tested 41 dependencies for known issues, found 2 issues, 3 vulnerable paths.",  # a checker's findings, counted
+        "$ todo.sh do 12\nTODO: No task 12.",  # a lookup of one numbered item that is not there
+        '{"statusCode":161,"message":"printer offline"}',
     ]
     for text in failures:
         assert cues.tool_failure(text) is not None, text
@@ -481,9 +492,59 @@ def test_failure_cues_by_kind_of_tool_output():
         "Message: Certificate is up to date and has not expired",
         "No known vulnerabilities found",
         "/home/june/Downloads/pattern.pdf: OK\n----------- SCAN SUMMARY -----------\nInfected files: 0",
+        # an echoed command's own words, and in a search's output the words it searched for
+        "$ cppcheck --error-exitcode=1 src/\nChecking src/osc.c ...\n1/1 files checked 100% done",
+        "$ grep -n 'FAILED' runs.log | head -2\n14: run 7 FAILED\n31: run 9 FAILED",
     ]
     for text in successes:
         assert cues.tool_failure(text) is None, text
+    # words that are not searched for, or a command that does not search, still count
+    assert cues.tool_failure("$ grep -n 'FAILED' runs.log\ngrep: runs.log: No such file or directory") == "No such"
+    assert cues.tool_failure("$ make all\nmake: *** [Makefile:4: all] Error 2") == "make: ***"
+
+
+def test_tool_output_that_reports_no_outcome_yet_is_zero():
+    pending = [
+        '{"id": "job_41", "status": "pending"}',
+        '{"transfer_status": "in_transit", "eta": "2025-02-01"}',
+        "HTTP/1.1 202 Accepted\nLocation: /v1/exports/88",
+        "Job queued. JobId=512",
+        "Export has been queued; we'll email you the file.",
+        "Operation resize is RUNNING",
+        "Backing up instance: 41% (62.11MB/s)",  # progress short of done
+        "Execution started: [4821] nightly-backup",
+    ]
+    empty = [
+        '{"total_count": 0, "items": []}',
+        "HTTP/1.1 200 OK\nX-Total-Count: 0\n\n[]",
+        "No results found for 'tide tables'.",
+        "TODO: 0 of 9 tasks shown",
+        "Empty set (0.00 sec)",
+        '{"command": "find . -name \'*.bak\'", "stdout": "", "stderr": "", "exit_code": 0}',
+        "$ find ~/Music -iname '*live*'\n$ echo $?\n0",
+        "no open issues match your search in ana/notes",
+    ]
+    for text in pending + empty:
+        assert cues.tool_no_verdict(text) is not None, text
+    # outcomes, each with a word the cue must not take for a state: a container or server that
+    # started, a test run, a checker's pass, a listing, a disk's use, a finished transfer
+    outcomes = [
+        "Container web-1  Started",
+        "running 12 tests\n............\ntest result: ok. 12 passed; 0 failed",
+        "flake8: 0 issues",
+        "Success: no issues found in 42 source files",
+        '[{"number": 18, "title": "Fix the footer", "state": "open"}]',
+        "/dev/sda1  98G  41G  52G  45% /",
+        "Writing at 0x0001 (97 %)\nWriting at 0x0002 (100 %)\nWrote 87838 bytes",
+        '{"id": 81, "status": "paid", "items": [{"sku": "A1"}]}',
+    ]
+    for text in outcomes:
+        assert cues.tool_no_verdict(text) is None, text
+    sure = {1: 0.95, -1: 0.02, 0: 0.03}  # a classifier that reads success
+    assert embed_judge.decide(sure, "Job queued. JobId=512", "tool") == (0, "Job queued")
+    # a failure sign comes first: +1 set aside, the rest decides
+    assert embed_judge.decide({1: 0.95, -1: 0.03, 0: 0.02}, '{"status": "failed", "items": []}', "tool") == (-1, '"status": "failed"')
+    assert embed_judge.decide(sure, "Job queued. JobId=512", "user")[0] == 1  # read in tool output only
 
 
 @pytest.fixture(scope="module")

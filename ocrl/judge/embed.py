@@ -18,7 +18,16 @@ import anyio
 from ocrl.judge.cases import Case, evaluate, format_report, load_cases, tally
 from ocrl.judge.classifier import FIT_DATA, LABELS, FitSettings, Item, item_of, labels_to_index
 from ocrl.judge.committee import MEMBERS, Committee, load_committee, new_member
-from ocrl.judge.cues import edit_cue, imperative_cue, praise_opening, redo_cue, softened_request, tool_failure, verdict_part
+from ocrl.judge.cues import (
+    edit_cue,
+    imperative_cue,
+    praise_opening,
+    redo_cue,
+    softened_request,
+    tool_failure,
+    tool_no_verdict,
+    verdict_part,
+)
 from ocrl.judge.ngrams import NGramSettings
 from ocrl.judge.votes import timed_verdict
 from ocrl.types import Verdict, Vote
@@ -40,6 +49,14 @@ STRICT_GUARD = 0.8
 # / 4. The corrections it keeps off +1 are in languages the encoder does not read (Tamil,
 # Kazakh, Telugu, Yiddish), where the committee hesitates.
 POSITIVE_FLOOR = 0.6
+# A request with no edit word after opening praise or thanks ("great, order that for 7pm", "sweet.
+# check the ferry ...") is +1 only from this p(+1): such requests are as often approvals that act
+# on the answer or next tasks as change requests ("thanks, great, can you fit it on one page?").
+# Chosen on the twentieth committee's probabilities over the six spent sets it was never fitted on
+# (5, 12, 14-17; 1,930 cases; with `tool_no_verdict`): never +1 (as before) 1,775 right with 8
+# corrections at +1; 0.8: 1,780 with 10; 0.9: 1,780 / 9; 0.95 and 0.98: 1,780 / 8 (the surest
+# correction there sat at 0.937; the approvals and next tasks it lets through at 0.983 and above).
+PRAISE_GUARD = 0.98
 
 # The blind held-out set the judge is measured on (written blind, scored once; see its note)
 BLIND_SET = Path(__file__).resolve().parents[2] / "tests" / "data" / "judge_heldout_17.jsonl"
@@ -96,9 +113,12 @@ def decide(
     edit_guard: float = EDIT_GUARD,
     strict_guard: float = STRICT_GUARD,
     positive_floor: float = POSITIVE_FLOOR,
+    praise_guard: float = PRAISE_GUARD,
 ) -> tuple[int, str | None]:
     """The score from the classifier's probabilities, and the rule that kept +1 away (or None).
-    The best class wins when it leads the runner-up by at least `margin`, else 0. +1 is set
+    The best class wins when it leads the runner-up by at least `margin`, else 0. Tool output
+    that reports no outcome yet, with no failure sign (a pending job, an empty result:
+    `tool_no_verdict`), is 0. +1 is set
     aside for tool output with a failure sign (`tool_failure`) always, and for a user message
     that may ask for a change unless the classifier is sure. Such a message has a word of
     editing or contrast (`edit_cue`), asks for the answer again (`redo_cue`), or has a request:
@@ -107,8 +127,9 @@ def decide(
     `verdict_part`, which a redo request never does). In a message that moves on with no edit
     word before it (in the part that speaks of the answer), p(+1) must reach `edit_guard`;
     otherwise `strict_guard` ("That's too long for me. Next: ..." is a complaint, whatever
-    follows); a request with an edit word ("great, but swap steps 2 and 3") or after opening
-    thanks or praise ("Brilliant, cc my partner on it": `praise_opening`), a request softened
+    follows), or `praise_guard` after opening thanks or praise with no edit word ("great, order
+    that for 7pm", "Brilliant, cc my partner on it": `praise_opening`); a request with an edit word
+    ("great, but swap steps 2 and 3"), a request softened
     by "only"/"just" after an opening word or two in a language whose verbs the cues do not know
     ("perfetto, solo togli ...": `softened_request`), a request for the answer again, and a
     verdict with an edit word before moving on ("No formatting please. Moving on: ...") are never
@@ -127,6 +148,9 @@ def decide(
     (a margin of 0.03: 0.913 with 25; a strict guard of 0.9: 0.910 with 23, of 0.7: 0.914 with 31)."""
     if role != "user":
         rule = tool_failure(next_state)
+        pending = None if rule is not None else tool_no_verdict(next_state)
+        if pending is not None:
+            return 0, pending
     else:
         redo = redo_cue(next_state)
         before, on = (next_state, None) if redo else verdict_part(next_state)
@@ -135,13 +159,14 @@ def decide(
         cue = edit or redo or verb
         # moving on relaxes the guard only for edit words in the new request, not in the verdict before it
         relaxed = on is not None and edit_cue(before) is None
+        praised = verb is not None and edit is None and praise_opening(next_state) is not None
         never = (
-            (verb is not None and (edit is not None or praise_opening(next_state) is not None))
+            (verb is not None and edit is not None)
             or softened is not None
             or redo is not None
             or (on is not None and not relaxed)
         )
-        limit = edit_guard if relaxed else (float("inf") if never else strict_guard)
+        limit = edit_guard if relaxed else (float("inf") if never else praise_guard if praised else strict_guard)
         rule = cue if cue is not None and probs[1] < limit else None
         if rule is None and probs[1] < positive_floor:
             rule = f"p(+1) < {positive_floor}"
