@@ -238,12 +238,14 @@ def test_a_fit_under_way_in_another_process_is_waited_for_and_read_not_repeated(
     torch.testing.assert_close(done[0].read(items), elsewhere.read(items), rtol=0, atol=0)
 
 
-def test_a_tool_failure_is_never_scored_plus_one():
-    # A classifier that says +1 to everything: the failure sign still keeps tool errors off +1.
-    judge = EmbedJudge(Constant([0.990, 0.0067, 0.0033]))
-    # +1 is set aside; of the rest, correction leads (by less than a margin of 0.03, which would make it 0)
+def test_a_tool_failure_is_scored_minus_one():
+    # A classifier that says +1 to everything: a failure sign makes tool output -1 all the same,
+    # whatever the margin and whichever of -1 and 0 the classifier ranks higher
+    judge = EmbedJudge(Constant([0.990, 0.0033, 0.0067]))
     assert judge.classify("Permission denied", "tool").score == -1
-    assert EmbedJudge(Constant([0.990, 0.0067, 0.0033]), margin=0.03).classify("Permission denied", "tool").score == 0
+    assert EmbedJudge(Constant([0.990, 0.0033, 0.0067]), margin=0.03).classify("Permission denied", "tool").score == -1
+    # with a sign of no outcome yet as well, +1 is set aside and the rest decides (here 0)
+    assert embed_judge.decide({1: 0.9, -1: 0.03, 0: 0.07}, "Job queued; could not reach the mirror", "tool") == (0, "could not")
     assert judge.classify("all good", "tool").score == 1
     assert judge.classify("Permission denied", "user").score == 1  # the rule reads tool output only
     assert judge.classify("   ", "tool").score == 0
@@ -459,6 +461,7 @@ def test_failure_cues_by_kind_of_tool_output():
         "Tested 41 dependencies for known issues, found 2 issues, 3 vulnerable paths.",  # a checker's findings, counted
         "$ todo.sh do 12\nTODO: No task 12.",  # a lookup of one numbered item that is not there
         '{"statusCode":161,"message":"printer offline"}',
+        "Executed 12 tests, with 1 failure (1 unexpected) in 0.412 (0.415) seconds",
     ]
     for text in failures:
         assert cues.tool_failure(text) is not None, text
@@ -492,6 +495,7 @@ def test_failure_cues_by_kind_of_tool_output():
         "Message: Certificate is up to date and has not expired",
         "No known vulnerabilities found",
         "/home/june/Downloads/pattern.pdf: OK\n----------- SCAN SUMMARY -----------\nInfected files: 0",
+        "Executed 12 tests, with 0 failures (0 unexpected) in 0.412 (0.415) seconds",  # XCTest: any failure word right after a 0
         # an echoed command's own words, and in a search's output the words it searched for
         "$ cppcheck --error-exitcode=1 src/\nChecking src/osc.c ...\n1/1 files checked 100% done",
         "$ grep -n 'FAILED' runs.log | head -2\n14: run 7 FAILED\n31: run 9 FAILED",
@@ -542,8 +546,8 @@ def test_tool_output_that_reports_no_outcome_yet_is_zero():
         assert cues.tool_no_verdict(text) is None, text
     sure = {1: 0.95, -1: 0.02, 0: 0.03}  # a classifier that reads success
     assert embed_judge.decide(sure, "Job queued. JobId=512", "tool") == (0, "Job queued")
-    # a failure sign comes first: +1 set aside, the rest decides
-    assert embed_judge.decide({1: 0.95, -1: 0.03, 0: 0.02}, '{"status": "failed", "items": []}', "tool") == (-1, '"status": "failed"')
+    # a failure sign with no sign of waiting is -1, whatever the classifier reads
+    assert embed_judge.decide(sure, '{"status": "failed", "items": [{"id": 7}]}', "tool") == (-1, '"status": "failed"')
     assert embed_judge.decide(sure, "Job queued. JobId=512", "user")[0] == 1  # read in tool output only
 
 

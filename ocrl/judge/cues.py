@@ -105,12 +105,18 @@ _ZERO_BEFORE = re.compile(r"(?i:\b(?:0|no) (?:[a-z]+ ){1,2}$)")
 _SUMMARY_HEAD = re.compile(r"(?i:\s+(?:summary|count|total)\b)")
 
 
+_ZERO_JUST_BEFORE = re.compile(r"(?:^|[\s(\[])0 $")
+
+
 def _zero_count(text: str, match: re.Match[str]) -> bool:
     """Whether a failure word is the label of a count that is zero (the word then a 0, or an
-    empty list; or "0" and a word or two before it) or the head of a summary of one."""
+    empty list; "0" and a word or two before it; any failure word right after a "0": "(0
+    unexpected)") or the head of a summary of one."""
     after = text[match.end() : match.end() + 96]
     counted = _COUNTED.fullmatch(match.group(0).strip()) is not None
     if (counted or _SUMMARY_HEAD.match(after)) and _ZERO_AFTER.match(after):
+        return True
+    if match.group(0).isalpha() and _ZERO_JUST_BEFORE.search(text[max(0, match.start() - 4) : match.start()]):
         return True
     return counted and _ZERO_BEFORE.search(text[max(0, match.start() - 30) : match.start()]) is not None
 
