@@ -253,9 +253,10 @@ def test_a_tool_failure_is_scored_minus_one():
 
 def test_edit_cues_in_user_messages():
     for text in ["sign it 'Best, Ana'", "make it shorter", "use tabs instead", "that's not right", "in Spanish please",
-                 "still broken", "Nice, but drop the last line"]:
+                 "still broken", "Nice, but drop the last line", "a bit flat, that one", "kinda long tbh"]:
         assert cues.edit_cue(text) is not None, text
-    for text in ["thanks!", "perfect 👍", "ship it", "great, now make a meal plan", "next: the login page"]:
+    for text in ["thanks!", "perfect 👍", "ship it", "great, now make a meal plan", "next: the login page",
+                 "water and a bit of soap, thanks", "some kind of officer, thanks"]:
         assert cues.edit_cue(text) is None, text
     # a "but" that concedes before thanks or acceptance, and a comparison with "than", ask for nothing
     for text in ["grim but useful, thanks", "ugh, six forms but fine", "more steps than I hoped lol, cheers"]:

@@ -121,14 +121,14 @@ def _zero_count(text: str, match: re.Match[str]) -> bool:
     return counted and _ZERO_BEFORE.search(text[max(0, match.start() - 30) : match.start()]) is not None
 
 
-
 # Tool output that reports no verdict yet is 0, not +1 (the label rule of every held-out set: "queued,
 # pending, in progress, a job id, empty output, or an empty result"; a search that ran and found
 # nothing neither confirms nor refutes the turn). Read only when no failure shows. Written from the
 # states and empty shapes that tools print; the twentieth candidate read 31 of the 116 such outputs
-# in the six spent held-out sets (5, 12, 14-17) as success. Left out on purpose, each seen in labelled successes: "Started"/"Running" at the head of
-# a line (containers, test runners, servers), "0 issues"/"no problems found" (a checker's pass), a
-# "state": "open" (a listing of pull requests), "%" alone (disk use, ping loss, compression).
+# in the six spent held-out sets (5, 12, 14-17) as success. Left out on purpose, each seen in
+# labelled successes: "Started"/"Running" at the head of a line (containers, test runners,
+# servers), "0 issues"/"no problems found" (a checker's pass), a "state": "open" (a listing of pull
+# requests), "%" alone (disk use, ping loss, compression).
 _PENDING = (
     r"pending|queued|in[ _-]?progress|processing|awaiting|waiting for\b|submitted|scheduled|in[ _]transit|pre_transit"
     r"|requested|accepted|starting|running|not_started|provisioning|building|deploying|initiali[sz]ing|enqueued"
@@ -188,12 +188,15 @@ def tool_no_verdict(text: str) -> str | None:
 
 # A user's words that ask for the previous answer to change: a contrast ("but", "instead"), a
 # negation, an edit verb aimed at the answer ("make it", "sign it", "change"), a repeat ("again",
-# "still"). In `decide` a user message with one is +1 only when the classifier is sure,
+# "still"), a hedged degree ("a bit flat", "kinda long": 13 of the 18 labelled messages with one
+# that is no noun, "a bit of soap", "some kind of", ask for a change or complain; the 4 thanks among
+# them the classifier reads surely). In `decide` a user message with one is +1 only when the classifier is sure,
 # since a change request read as approval would teach the policy the wrong thing.
 _EDIT_CUE = re.compile(
     r"(?i:\b(?:pero|aber|sondern|mais|però|maar|mas|en vez de|en lugar de|statt|anstatt|au lieu de|invece di|em vez de|in plaats van)\b"
     r"|\b(?:but|instead|rather|actually|change|rename|replace|swap|switch|remove|drop|delete|shorten|lengthen|rewrite|redo|fix"
     r"|again|still|wrong|not|no|nope|never|without|too|should|supposed|meant|asked|said|told)\b"
+    r"|\b(?:a (?:bit|little|tad)(?! of\b)|bit of a|kinda|(?<!some )(?<!what )(?:kind|sort) of|slightly|a touch) (?=\w)"
     r"|n't\b|\b(?:make|sign|call|title|address|put|turn|keep|write|do|give) (?:it|them|this|that|the \w+)\b"
     r"|\b(?:in|into|as) (?:a |an )?(?:english|spanish|french|german|italian|portuguese|dutch|polish|japanese|chinese|korean"
     r"|bullet|bullets|bullet points|list|table|json|csv|markdown|plain text|haiku|poem)\b|^\s*(?:use|add|less|more|shorter|longer)\b)"
