@@ -59,7 +59,7 @@ POSITIVE_FLOOR = 0.6
 PRAISE_GUARD = 0.98
 
 # The blind held-out set the judge is measured on (written blind, scored once; see its note)
-BLIND_SET = Path(__file__).resolve().parents[2] / "tests" / "data" / "judge_heldout_17.jsonl"
+BLIND_SET = Path(__file__).resolve().parents[2] / "tests" / "data" / "judge_heldout_18.jsonl"
 
 
 def cross_validate(
