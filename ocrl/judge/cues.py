@@ -57,8 +57,8 @@ _FAILURE_CUES = (
     r" (?:is |went |appears |seems )?offline\b)|(?i:\brefused\b|\breset by peer\b|\bconnection (?:reset|closed|aborted|lost)\b|\bbroken pipe\b|\bunreachable\b(?![:=]\s*0\b)|\bno route to host\b"
     r"|\bnxdomain\b|\bservfail\b|\bname or service not known\b|\bname resolution\b|\bcould not resolve\b"
     r"|\bcertificate (?:has )?expired\b|\bself[- ]signed certificate\b|\bcertificate problem\b|\bunknown authority\b|\bhandshake (?:failure|failed)\b)",
-    # quotas, rate limits, timeouts
-    r"(?i:\bexceeded\b|\brate[- _]?limited\b|\brate[- _]?limit (?:reached|hit)\b|\btoo many requests\b|\bthrottl(?:ed|ing)\b|\bquota\b[^.\n]{0,30}\b(?:reached|full|used up)\b"
+    # quotas, limits ("too many", "clock skew too great": all 33 labelled tool outputs with one are failures), rate limits, timeouts
+    r"(?i:\bexceeded\b|\btoo (?:great|large|big|many|long|old|new|short|small|slow|high|low|much)\b|\brate[- _]?limited\b|\brate[- _]?limit (?:reached|hit)\b|\btoo many requests\b|\bthrottl(?:ed|ing)\b|\bquota\b[^.\n]{0,30}\b(?:reached|full|used up)\b"
     r"|\blimit (?:reached|hit)\b|\btry again (?:later|in)\b|\btimed out\b|\btimeout (?:after|for|error|exceeded|expired)\b"
     r"|(?im:^\s*time ?out\b(?!\s*(?:[=:]|(?:is|set|of|to)\b)))"
     r"|\bdid not (?:finish|complete|respond|return)\b|\bno response from\b|\bwithout (?:a )?response\b|(?<!\b0 )(?<!\b[Nn]o )\bconflicts?\b)",
@@ -99,7 +99,7 @@ def tool_failure(text: str) -> str | None:
     return None
 
 
-_COUNTED = re.compile(r"(?i:errors|failed|failures?|fails)")
+_COUNTED = re.compile(r"(?i:errors|failed|failures?|fails?)")
 _ZERO_AFTER = re.compile(r"(?i:\s*(?:summary|count|total|[a-z]+(?=\s*[:=|]))?(?:\W{0,4}|[\s:.]{5,80})\s*(?:0|\[\]|\{\}|none|null|no (?:\w+ ){0,2}(?:errors?|failures?)\b)(?![\w.%]|,\d))")
 _ZERO_BEFORE = re.compile(r"(?i:\b(?:0|no) (?:[a-z]+ ){1,2}$)")
 _SUMMARY_HEAD = re.compile(r"(?i:\s+(?:summary|count|total)\b)")
@@ -275,19 +275,23 @@ _CONCEDING = re.compile(
 # "way less painful than my spreadsheet"): the 4 such labelled messages are thanks and approvals.
 _COMPARATIVES = frozenset("less more fewer".split() + _COMPARATIVES_OF_EDITS)
 _THAN = re.compile(r"(?i:(?:\s+[\w']+){0,3}?\s+than\b)")
+# "wrong" in what would have happened without the answer ("I'd have logged it wrong"): all 5 such
+# labelled messages are thanks
+_COUNTERFACTUAL = re.compile(r"(?i:\b(?:i'd|i would|would've|would have|could've|could have|might have|might've)\b[^.!?]{0,40}$)")
 
 
 def _first_edit(pattern: re.Pattern[str], text: str) -> re.Match[str] | None:
     """The first match of `pattern` that does not open a placing of the answer (`_PLACING`), at its
-    start ("put it ...") or at its last word ("and add it ..."), and is neither a conceding "but"
-    nor a comparison."""
+    start ("put it ...") or at its last word ("and add it ..."), and is neither a conceding "but",
+    a comparison nor a "wrong" that only might have been."""
     for match in pattern.finditer(text):
         last = _LAST_WORD.search(match.group(0))
         starts = {match.start(), match.start() + last.start() if last else match.start()}
         word = (last.group(0) if last else match.group(0)).strip(" ,.!;:").lower()
         conceding = word == "but" and _CONCEDING.match(text, match.end()) is not None
         comparing = word in _COMPARATIVES and _THAN.match(text, match.end()) is not None
-        if not conceding and not comparing and not any(_PLACING.match(text, start) for start in starts):
+        supposing = word == "wrong" and _COUNTERFACTUAL.search(text, 0, match.start()) is not None
+        if not (conceding or comparing or supposing) and not any(_PLACING.match(text, start) for start in starts):
             return match
     return None
 
@@ -383,7 +387,7 @@ _THANKS = _any_of(
 # clause ("how do I ...", "what about ...").
 _MOVES_ON = (
     re.compile(
-        r"(?i:\b(now|next(?! to\b| time\b)|then|also|ahora|luego|también|jetzt|dann|danach|auch|maintenant|ensuite|aussi|adesso|poi|anche"
+        r"(?i:\b((?<!right )(?<!just )(?<!for )(?<!by )(?<!until )(?<!till )(?<!from )now(?!\s*(?:[.!;)]|$))|next(?! to\b| time\b)|then|also|ahora|luego|también|jetzt|dann|danach|auch|maintenant|ensuite|aussi|adesso|poi|anche"
         r"|agora|depois|também|nu|daarna|ook|nå|også|också|teraz|też|także|teď|ted|také|nyt|myös|şimdi|ayrıca|acum|τώρα|επίσης"
         r"|too(?=\s*(?:[?.!,]|$))|as well|same|moving on|on to|onto|new task|let'?s|after that|another thing|one more thing)\b)"
     ),

@@ -52,11 +52,12 @@ POSITIVE_FLOOR = 0.6
 # A request with no edit word after opening praise or thanks ("great, order that for 7pm", "sweet.
 # check the ferry ...") is +1 only from this p(+1): such requests are as often approvals that act
 # on the answer or next tasks as change requests ("thanks, great, can you fit it on one page?").
-# Chosen on the twentieth committee's probabilities over the six spent sets it was never fitted on
-# (5, 12, 14-17; 1,930 cases; with `tool_no_verdict`): never +1 (as before) 1,775 right with 8
-# corrections at +1; 0.8: 1,780 with 10; 0.9: 1,780 / 9; 0.95 and 0.98: 1,780 / 8 (the surest
-# correction there sat at 0.937; the approvals and next tasks it lets through at 0.983 and above).
-PRAISE_GUARD = 0.98
+# Chosen on the twentieth committee's probabilities over the seven spent sets it was never fitted
+# on (5, 12, 14-18; 2,255 cases), with the twenty-second candidate's cues: never +1 (up to the
+# twentieth) 2,081 right with 6 corrections at +1; 0.98 (the twenty-first) 2,087 / 6; 0.95 and
+# 0.96: 2,089 / 6; 0.93 and 0.9: 2,089 / 7; 0.8: 2,089 / 8 (the surest such correction sat at
+# 0.937, the approvals and next tasks the 0.98 guard held off on the eighteenth set at 0.969, 0.971).
+PRAISE_GUARD = 0.95
 
 # The blind held-out set the judge is measured on (written blind, scored once; see its note)
 BLIND_SET = Path(__file__).resolve().parents[2] / "tests" / "data" / "judge_heldout_18.jsonl"
