@@ -60,7 +60,7 @@ POSITIVE_FLOOR = 0.6
 PRAISE_GUARD = 0.95
 
 # The blind held-out set the judge is measured on (written blind, scored once; see its note)
-BLIND_SET = Path(__file__).resolve().parents[2] / "tests" / "data" / "judge_heldout_18.jsonl"
+BLIND_SET = Path(__file__).resolve().parents[2] / "tests" / "data" / "judge_heldout_19.jsonl"
 
 
 def cross_validate(
