@@ -362,6 +362,21 @@ def test_a_user_message_is_plus_one_only_above_the_positive_floor():
     assert embed_judge.decide({1: 0.62, -1: 0.3, 0: 0.08}, "thanks!", "user") == (1, None)
 
 
+def test_a_new_question_of_the_users_own_moves_on():
+    for text, word in [("ok. how long does a round of 18 usually take?", "how"), ("noted. any salsa socials on fridays?", "any"),
+                       ("what time do car boots start on a sunday?", "what")]:
+        assert cues.new_question(text) == word, text
+    # a question about the answer, a complaint, a request for it again: no new question
+    for text in ["is that per car?", "does the cheaper one clamp to a 40mm worktop?", "why a table?", "how about another one?",
+                 "what about in Spanish instead?", "thanks!"]:
+        assert cues.new_question(text) is None, text
+    question = "ok. how long does a round of 18 usually take?"
+    assert embed_judge.decide({1: 0.15, -1: 0.05, 0: 0.80}, question, "user") == (1, None)  # neutral leads: still +1
+    assert embed_judge.decide({1: 0.15, -1: 0.25, 0: 0.60}, question, "user")[0] != 1  # a correction leads
+    assert embed_judge.decide({1: 0.05, -1: 0.01, 0: 0.94}, question, "user")[0] == 0  # below the question floor
+    assert embed_judge.decide({1: 0.15, -1: 0.05, 0: 0.80}, "is that per car?", "user")[0] == 0  # the positive floor
+
+
 def test_a_softened_request_after_an_opening_is_never_plus_one():
     certain = {1: 0.97, -1: 0.02, 0: 0.01}
     assert embed_judge.decide(certain, "מקסים! רק תוסיף שצריך להביא גרביים", "user") == (-1, "רק")
