@@ -190,8 +190,8 @@ def tool_no_verdict(text: str) -> str | None:
 # negation, an edit verb aimed at the answer ("make it", "sign it", "change"), a repeat ("again",
 # "still"), a hedged degree ("a bit flat", "kinda long": 13 of the 18 labelled messages with one
 # that is no noun, "a bit of soap", "some kind of", ask for a change or complain; the 4 thanks among
-# them the classifier reads surely). In `decide` a user message with one is +1 only when the classifier is sure,
-# since a change request read as approval would teach the policy the wrong thing.
+# them the classifier reads surely). In `decide` a user message with one is +1 only when the
+# classifier is sure, since a change request read as approval would teach the policy the wrong thing.
 _EDIT_CUE = re.compile(
     r"(?i:\b(?:pero|aber|sondern|mais|però|maar|mas|en vez de|en lugar de|statt|anstatt|au lieu de|invece di|em vez de|in plaats van)\b"
     r"|\b(?:but|instead|rather|actually|change|rename|replace|swap|switch|remove|drop|delete|shorten|lengthen|rewrite|redo|fix"
@@ -257,8 +257,7 @@ _PLACING = re.compile(
 
 
 _LAST_WORD = re.compile(r"\w+\W*$")
-
-
+# comparatives, which ask for the answer to change when they open a clause ("bigger date, smaller logos")
 _COMPARATIVES_OF_EDITS = (
     "bigger smaller larger wider narrower bolder darker lighter brighter warmer cooler louder quieter simpler clearer "
     "friendlier punchier snappier tighter looser thicker thinner shorter longer"
@@ -269,8 +268,6 @@ _CONCEDING = re.compile(
     r"(?i:\W+(?:\w+\W+)?(?:cheers|thanks|thank you|thx|ta|fine|ok|okay|worth it|good to know|that helps|helpful"
     r"|makes sense|fair enough|great|love it|perfect|nice)\b)"
 )
-
-
 # A comparative with "than" after it compares; it asks for nothing ("more forms than I'd hoped",
 # "way less painful than my spreadsheet"): the 4 such labelled messages are thanks and approvals.
 _COMPARATIVES = frozenset("less more fewer".split() + _COMPARATIVES_OF_EDITS)
@@ -314,8 +311,7 @@ _EDIT_VERBS = (
     "set mark tone translate list less more tag loop flip reverse tighten tweak adjust update edit "
     "pull enable disable group exclude filter regenerate insert append prepend hide pin flag schedule reschedule "
     "invite notify paginate limit cap dedupe deduplicate lowercase uppercase capitalise capitalize centre center crop resize "
-    "rotate shrink enlarge widen narrow darken lighten brighten "
-    # comparatives that open a clause ask for the answer to change too ("bigger date, smaller logos")
+    "rotate shrink enlarge widen narrow darken lighten brighten"
 ).split() + _COMPARATIVES_OF_EDITS
 _IMPERATIVE = re.compile(
     r"(?i:(?:^|[,.!;:\u2014\u2013-]\s*|\b(?:just|maybe|perhaps|pls|please|plz|and|but|then|(?:could|can|would|will) (?:you|u))\s+)"

@@ -132,8 +132,7 @@ def decide(
     pending job, an empty result: `tool_no_verdict`) is 0, whatever the classifier reads; with
     both signs +1 is set aside and the rest decides. On the twentieth committee's probabilities
     over the six spent sets it was never fitted on, -1 for a failure sign (rather than the better
-    of -1 and 0) righted 5 tool errors and cost nothing. +1 is set
-    aside for a user message
+    of -1 and 0) righted 5 tool errors and cost nothing. +1 is set aside for a user message
     that may ask for a change unless the classifier is sure. Such a message has a word of
     editing or contrast (`edit_cue`), asks for the answer again (`redo_cue`), or has a request:
     a clause that opens with an edit verb or a request form, or a closing "please"
@@ -142,14 +141,14 @@ def decide(
     word before it (in the part that speaks of the answer), p(+1) must reach `edit_guard`;
     otherwise `strict_guard` ("That's too long for me. Next: ..." is a complaint, whatever
     follows), or `praise_guard` after opening thanks or praise with no edit word ("great, order
-    that for 7pm", "Brilliant, cc my partner on it": `praise_opening`); a request with an edit word
-    ("great, but swap steps 2 and 3"), a request softened
-    by "only"/"just" after an opening word or two in a language whose verbs the cues do not know
+    that for 7pm", "Brilliant, cc my partner on it": `praise_opening`); a request with an edit
+    word ("great, but swap steps 2 and 3"), a request softened by "only"/"just" after an
+    opening word or two in a language whose verbs the cues do not know
     ("perfetto, solo togli ...": `softened_request`), a request for the answer again, and a
     verdict with an edit word before moving on ("No formatting please. Moving on: ...") are never
     +1; and no user message is +1 below `positive_floor`, cue or none, but a new question of the
-    user's own (`new_question`), which is +1 from `question_floor` unless a correction leads. Chosen by
-    5-fold cross-validation on the fit cases, first for a linear head over frozen embeddings
+    user's own (`new_question`), which is +1 from `question_floor` unless a correction leads.
+    Chosen by 5-fold cross-validation on the fit cases, first for a linear head over frozen embeddings
     (on 2,576 cases a single 0.7 guard on `edit_cue` alone scored 0.920 with 10 corrections at
     +1, the two guards with the redo cue 0.920 with 5), then kept for the fine-tuned classifier:
     on its out-of-fold probabilities over 3,608 cases they take the corrections at +1 from 78
@@ -206,11 +205,12 @@ class EmbedJudge:
     2. The best class wins when it leads the runner-up by at least `margin`; else 0 (`decide`).
     3. Tool output with a failure sign is -1: a traceback read as success is the one error that
        teaches the policy the wrong thing. Tool output that reports no outcome yet (a pending
-       job, an empty result) is 0. A user message with a cue of an edit to the
-       answer (`edit_cue`: "but", "instead", "make it", ...; or, unless it moves on to a new
-       request, a clause that opens with an edit verb: "sign it ...", "just drop ...") is +1
-       only when the classifier is sure (`edit_guard`, `strict_guard`): a change request read as
-       approval teaches the same wrong thing. No user message is +1 below `POSITIVE_FLOOR`.
+       job, an empty result) is 0. A user message with a cue of an edit to the answer
+       (`edit_cue`: "but", "instead", "make it", ...; or, unless it moves on to a new request, a
+       clause that opens with an edit verb: "sign it ...", "just drop ...") is +1 only when the
+       classifier is sure (`edit_guard`, `strict_guard`, `praise_guard`): a change request read
+       as approval teaches the same wrong thing. No user message is +1 below `POSITIVE_FLOOR`,
+       but a new question of the user's own, which moves on (`QUESTION_FLOOR`).
     An empty next state is 0 without a forward. Deterministic: one vote, whose text lists the
     class probabilities. The forward runs in a worker thread. Without a classifier only `vote`
     works (decisions on probabilities computed elsewhere: `cross_validate`)."""
