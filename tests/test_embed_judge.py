@@ -344,7 +344,7 @@ def test_contrast_only_and_redo_words_in_scripts_and_languages_beyond_the_common
 def test_putting_the_answer_somewhere_acts_on_it_and_a_comparative_asks_for_a_change():
     # "put it on the shop page", "pin it in the group chat": the answer as it stands, placed somewhere
     for text in ["yep that's it, put it on the shop page", "lgtm, pin it in the group chat", "go ahead and add it to the router",
-                 "👍 roster's good, put it up on the event page"]:
+                 "👍 roster's good, put it up on the event page", "lgtm, put it up", "add it all to the shop order"]:
         assert cues.edit_cue(text) is None and cues.imperative_cue(text) is None, text
     # putting it into a form, or another clause that edits, is still a change
     assert cues.edit_cue("put it in a table") == "put it" and cues.imperative_cue("put it in a table") == "put"
@@ -487,6 +487,8 @@ def test_failure_cues_by_kind_of_tool_output():
         "Executed 12 tests, with 1 failure (1 unexpected) in 0.412 (0.415) seconds",
         "[ FAIL 1 | WARN 0 | SKIP 0 | PASS 25 ]",  # R's testthat
         "kinit: Clock skew too great while getting initial credentials",  # a limit: "too great", "too many", "too long"
+        "$ shfmt -d run.sh\n@@ -1 +1 @@\n-if [ -d x ]\n+if [ -d x ]; then\n$ echo $?\n1",  # an echoed exit status that is not 0
+        'emerge: there are no ebuilds to satisfy "media-sound/foo".',  # a package manager's "not found"
     ]
     for text in failures:
         assert cues.tool_failure(text) is not None, text
@@ -522,12 +524,14 @@ def test_failure_cues_by_kind_of_tool_output():
         "/home/june/Downloads/pattern.pdf: OK\n----------- SCAN SUMMARY -----------\nInfected files: 0",
         "Executed 12 tests, with 0 failures (0 unexpected) in 0.412 (0.415) seconds",  # XCTest: any failure word right after a 0
         "[ FAIL 0 | WARN 2 | SKIP 0 | PASS 26 ]",
+        "$ shfmt -d run.sh\n$ echo $?\n0",
         # an echoed command's own words, and in a search's output the words it searched for
         "$ cppcheck --error-exitcode=1 src/\nChecking src/osc.c ...\n1/1 files checked 100% done",
         "$ grep -n 'FAILED' runs.log | head -2\n14: run 7 FAILED\n31: run 9 FAILED",
     ]
     for text in successes:
         assert cues.tool_failure(text) is None, text
+    assert cues.tool_failure("$ rustfmt --check a.rs\nDiff in a.rs at line 3:\n$ echo $?\n1") == "$ echo $? 1"  # one line
     # words that are not searched for, or a command that does not search, still count
     assert cues.tool_failure("$ grep -n 'FAILED' runs.log\ngrep: runs.log: No such file or directory") == "No such"
     assert cues.tool_failure("$ make all\nmake: *** [Makefile:4: all] Error 2") == "make: ***"
@@ -542,6 +546,7 @@ def test_tool_output_that_reports_no_outcome_yet_is_zero():
         "Export has been queued; we'll email you the file.",
         "Operation resize is RUNNING",
         "Backing up instance: 41% (62.11MB/s)",  # progress short of done
+        "[21:58:14] Cloning vm-1021 to web-2...(7%, 1.2MiB/s)",
         "Execution started: [4821] nightly-backup",
     ]
     empty = [
@@ -566,6 +571,7 @@ def test_tool_output_that_reports_no_outcome_yet_is_zero():
         '[{"number": 18, "title": "Fix the footer", "state": "open"}]',
         "/dev/sda1  98G  41G  52G  45% /",
         "Writing at 0x0001 (97 %)\nWriting at 0x0002 (100 %)\nWrote 87838 bytes",
+        "AIDE found NO differences between database and filesystem. Looks okay!!",  # a check that passed
         '{"id": 81, "status": "paid", "items": [{"sku": "A1"}]}',
     ]
     for text in outcomes:

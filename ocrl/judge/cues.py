@@ -24,6 +24,8 @@ _FAILURE_CUES = (
     r"(?<!\b0 )(?<!\b[Nn]o )\b(?i:errors?|err!)(?![\w-]|\.\w)(?!\"?\s*[:=]\s*(?:null|\[\]|\{\}|\"\"|false|0\b))"
     r"|(?i:\b(?:exit(?:ed)?(?: with)?(?: code| status)?|non-zero exit status|returned non-zero(?: exit)?(?: status)?)\s*:?\s*[1-9])"
     r"|(?i:\b(?:rc|exit|exit_?code|exit_?status|return_?code|returncode)\"?\s*[=:]\s*\"?[1-9])|(?i:\btimed_?out\"?\s*[=:]\s*true\b)"
+    # a shell's exit status echoed after the command ("$ echo $?" then a number that is not 0: all 20 labelled are failures)
+    r"|(?m:^\$ echo \"?(?:exit=|rc=|status=)?\$\?\"?[^\n]*\n\s*(?:exit=|rc=|status=)?[1-9]\d*\s*$)"
     r"|(?i:\"(?:status|state|result|outcome)\"\s*:\s*\"(?:failed|failure|error|errored|timed_?out|timeout|offline|unreachable|rejected|denied)\")"
     r"|\bfatal:|\bFATAL\b|\bFAILED\b|\bFAILURE\b|\bKilled\b|\b[1-9]\d* failed\b|\b(?:CrashLoop|ImagePull)BackOff\b|\bErrImagePull\b|\bOOMKilled\b"
     r"|(?i:(?<!(?<![=:])\b0 )\bfailed\b(?![:=]?\s*0\b)|(?<!(?<![=:])\b0 )(?<!\b[Nn]o )\bfailures?\b(?![:=]?\s*0\b)|\baborted\b|\bcrashed\b|\brejected\b|\bdeclined\b|\binsufficient\b|\bgiving up\b|\bgave up\b|\bunable to\b"
@@ -44,6 +46,7 @@ _FAILURE_CUES = (
     r"(?m:^\s*(?:g?make|ninja)(?:\[\d+\])?: \*\*\*)|\berror\[E\d+\]|\berror TS\d+|(?i:\bbuild failed\b|\bcompilation terminated\b)",
     # not found, missing
     r"(?i:\bcommand not found\b|\bno such\b|\bnot found\b|\bdoes ?n[o']t exist\b|\bno longer exists\b|\bnot recognized as\b"
+    r"|\bno \w+ to satisfy\b|\bnothing provides\b"
     r"|\bno (?:task|issue|ticket|item|record|user|order|job|entry|file|page|project|contact|note|event|invoice|booking|message|parcel"
     r"|container|instance|run|build|pipeline|snapshot|package|app|device|model) (?:#|no\. ?|number |with id |id )?[\w-]*\d[\w-]*\b)",
     # permission and authentication
@@ -95,7 +98,7 @@ def tool_failure(text: str) -> str | None:
         if word.isalpha() and any(word.startswith(term) for term in searched):
             continue
         if not _zero_count(text, match):
-            return match.group(0).strip()
+            return " ".join(match.group(0).split())  # one line: "$ echo $?\n1" -> "$ echo $? 1"
     return None
 
 
@@ -158,7 +161,7 @@ _NO_VERDICT_CUES = (
     r"(?i:\b0 (?:results?|matches|hits|items|records|conversations|messages|contacts|entries|documents|events|objects)\b"
     r"|\b0 of \d+ \w+ shown\b|\b0 rows in set\b|\(0 rows\))",
     rf"(?i:\bno (?:\w+ ){{0,2}}?(?:{_FOUND_NOUNS})(?: \w+){{0,2}}? (?:found|matched|match|matching|available|yet)\b"
-    r"|\bfound no (?!issues|problems|errors|warnings|vulnerabilit)|\bnothing (?:on (?:your|the)\b|found|to show|matched|scheduled)"
+    r"|\bfound no (?!issues|problems|errors|warnings|vulnerabilit|differences|discrepancies)|\bnothing (?:on (?:your|the)\b|found|to show|matched|scheduled)"
     r"|\bempty set\b|\bis empty\b|\(empty[\w ]*\)|\bno new \w+|^\s*no (?:results|matches|hits|entries|items|records|events)\b)",
     r"(?i:\bno (?:\w+ ){0,3}match(?:es)? your search\b|^\W*(?:\$ [^\n]*\n)?no (?:matches|results)\b|\bno resources found\b)",
     # empty output: nothing at all, an empty stdout, a command echoed with only its exit status 0 after it
@@ -168,7 +171,10 @@ _NO_VERDICT_CUES = (
 _NO_VERDICT = re.compile("|".join(f"(?:{cue})" for cue in _NO_VERDICT_CUES))
 # progress short of done: a percentage under 100 next to a word or a bar of progress
 _PERCENT = re.compile(r"(?<![\d.])\d{1,2}(?:\.\d+)?\s?%")
-_PROGRESS = re.compile(r"(?i:progress|downloading|uploading|executing|backing up|encoding|pulling|syncing|indexing|copying|remaining|\beta\b|[▕█░▓])")
+_PROGRESS = re.compile(
+    r"(?i:progress|downloading|uploading|executing|backing up|encoding|pulling|syncing|indexing|copying|cloning|remaining|\beta\b"
+    r"|\d[KMG]i?B/s\b|[▕█░▓])"
+)
 _DONE = re.compile(r"\b100\s?%")
 
 
@@ -252,7 +258,7 @@ _OPENING = re.compile(r"^\W*[^\W\d_][^\s\d,.!?;:]*(?:\s+[^\s\d,.!?;:]+){0,2}\s*[
 # my calendar") acts on it as it stands: no edit, whatever the verb. On the labelled cases 29 such
 # messages are approvals or next tasks and one is a change request ("put it in the order we'd ...").
 _PLACING = re.compile(
-    r"(?i:(?:put|pin|post|stick|pop|add) (?:it|them|this|that)(?: up)? (?:on|in|into|onto|to) (?:the|my|our|his|her|their)\b)"
+    r"(?i:(?:put|pin|post|stick|pop|add) (?:it|them|this|that)(?: all)?(?: up)?(?: (?:on|in|into|onto|to) (?:the|my|our|his|her|their)\b|\W*$))"
 )
 
 
