@@ -428,11 +428,11 @@ def test_shipped_fit_data_and_held_out_cases_are_valid_and_disjoint():
     kinds = {"tool_ok", "tool_error", "tool_neutral", "thanks", "approval", "next_task", "correction", "redo", "change_request",
              "complaint", "off_topic", "ambiguous"}
     assert kinds <= {case.kind for case in fit}
-    # the fifth (spent, a regression floor) and twentieth held-out sets, each written blind and
+    # the fifth (spent, a regression floor) and twenty-first held-out sets, each written blind and
     # committed before any judge was scored on it: disjoint from the fit data, the reported
     # cases and each other
     seen = fit_states | reported_states
-    for name, size in (("judge_heldout_5.jsonl", 290), ("judge_heldout_20.jsonl", 320)):
+    for name, size in (("judge_heldout_5.jsonl", 290), ("judge_heldout_21.jsonl", 320)):
         blind = load_cases(DATA / name)
         assert len(blind) >= size
         for case in blind:
@@ -592,21 +592,20 @@ def judge():
 
 
 async def test_blind_held_out_accuracy_floor(judge):
-    cases = load_cases(DATA / "judge_heldout_20.jsonl")
+    cases = load_cases(DATA / "judge_heldout_21.jsonl")
     report = await evaluate(judge, cases)
-    # The twentieth held-out set: written blind by a helper that saw neither the judge code nor
-    # any other set's cases, committed before any judge was scored on it, and scored once by the
-    # twenty-third candidate (the twentieth's committee; tool output with no outcome yet is 0, a
-    # failure sign -1, a request after praise +1 from p(+1) >= 0.95, a new question of the
-    # user's own +1 from 0.1): 294/325 = 0.905 with 3 corrections at +1 (afterwards, on the
-    # same probabilities: the twentieth's rules 286 with 3, the twenty-first's and the
-    # twenty-second's 292 with 3). The sets before it, each scored once by the candidate it was
-    # written for: the nineteenth 0.908 with 2 (twenty-second), the eighteenth 0.889 with 3
-    # (twenty-first), the seventeenth 0.908 with 4 (twentieth), the fourteenth to sixteenth 0.892
-    # with 7, 0.880 with 5, 0.905 with 5. The bar is 0.92 with none; the floor guards
-    # against a regression, it is not the target.
-    assert report["accuracy"] >= 0.9, report["misses"]
-    assert report["confusion"][-1][1] <= 3, report["misses"]
+    # The twenty-first held-out set: written blind by a helper that saw neither the judge code
+    # nor any other set's cases, committed before any judge was scored on it, and scored once by
+    # the twenty-fourth candidate (the twentieth's committee; tool output with no outcome yet is
+    # 0, a failure sign -1 (an echoed non-zero exit status among them), a request after praise +1
+    # from p(+1) >= 0.95, a new question of the user's own +1 from 0.1): 297/325 = 0.914 with 1
+    # correction at +1 (afterwards, on the same probabilities: the twentieth's rules 296 with 1).
+    # The sets before it, each scored once by the candidate it was written for: the twentieth
+    # 0.905 with 3 (twenty-third), the nineteenth 0.908 with 2 (twenty-second), the eighteenth
+    # 0.889 with 3 (twenty-first), the seventeenth 0.908 with 4 (twentieth). The bar is
+    # 0.92 with none; the floor guards against a regression, it is not the target.
+    assert report["accuracy"] >= 0.91, report["misses"]
+    assert report["confusion"][-1][1] <= 1, report["misses"]
 
 
 async def test_spent_fifth_set_floor(judge):
@@ -620,7 +619,8 @@ async def test_spent_fifth_set_floor(judge):
     # sixteenth, 0.938 with none for the seventeenth (the thirteenth set in its fit data: on the
     # spent twelfth set it reads 0.923 with none against 0.902 with 1), 0.938 with none for the
     # twentieth (its cues and floor), 0.948 with none for the twenty-first, 0.951 with none for
-    # the twenty-second, 0.954 with none for the twenty-third. A regression guard.
+    # the twenty-second, 0.954 with none for the twenty-third and the twenty-fourth. A regression
+    # guard.
     report = await evaluate(judge, load_cases(DATA / "judge_heldout_5.jsonl"))
     assert report["accuracy"] >= 0.93, report["misses"]
     assert report["confusion"][-1][1] <= 1, report["misses"]
