@@ -185,7 +185,7 @@ def tool_no_verdict(text: str) -> str | None:
     found", an empty stdout). Such output is neither success nor failure: `decide` scores it 0."""
     match = _NO_VERDICT.search(text)
     if match is not None:
-        return match.group(0).strip()
+        return " ".join(match.group(0).split())  # one line, as the vote's text is
     percent = _PERCENT.search(text)
     if percent is not None and _PROGRESS.search(text) and not _DONE.search(text):
         return percent.group(0)
