@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ocrl.judge import cues
+from ocrl.judge import cues, tool_cues
 from ocrl.judge import embed as embed_judge
 from ocrl.judge import ngrams
 from ocrl.judge import classifier as judge_classifier
@@ -491,7 +491,7 @@ def test_failure_cues_by_kind_of_tool_output():
         'emerge: there are no ebuilds to satisfy "media-sound/foo".',  # a package manager's "not found"
     ]
     for text in failures:
-        assert cues.tool_failure(text) is not None, text
+        assert tool_cues.tool_failure(text) is not None, text
     successes = [
         "test result: ok. 3 passed; 0 failed",
         "250 2.1.0 Sender OK",
@@ -530,11 +530,11 @@ def test_failure_cues_by_kind_of_tool_output():
         "$ grep -n 'FAILED' runs.log | head -2\n14: run 7 FAILED\n31: run 9 FAILED",
     ]
     for text in successes:
-        assert cues.tool_failure(text) is None, text
-    assert cues.tool_failure("$ rustfmt --check a.rs\nDiff in a.rs at line 3:\n$ echo $?\n1") == "$ echo $? 1"  # one line
+        assert tool_cues.tool_failure(text) is None, text
+    assert tool_cues.tool_failure("$ rustfmt --check a.rs\nDiff in a.rs at line 3:\n$ echo $?\n1") == "$ echo $? 1"  # one line
     # words that are not searched for, or a command that does not search, still count
-    assert cues.tool_failure("$ grep -n 'FAILED' runs.log\ngrep: runs.log: No such file or directory") == "No such"
-    assert cues.tool_failure("$ make all\nmake: *** [Makefile:4: all] Error 2") == "make: ***"
+    assert tool_cues.tool_failure("$ grep -n 'FAILED' runs.log\ngrep: runs.log: No such file or directory") == "No such"
+    assert tool_cues.tool_failure("$ make all\nmake: *** [Makefile:4: all] Error 2") == "make: ***"
 
 
 def test_tool_output_that_reports_no_outcome_yet_is_zero():
@@ -560,7 +560,7 @@ def test_tool_output_that_reports_no_outcome_yet_is_zero():
         "no open issues match your search in ana/notes",
     ]
     for text in pending + empty:
-        assert cues.tool_no_verdict(text) is not None, text
+        assert tool_cues.tool_no_verdict(text) is not None, text
     # outcomes, each with a word the cue must not take for a state: a container or server that
     # started, a test run, a checker's pass, a listing, a disk's use, a finished transfer
     outcomes = [
@@ -575,7 +575,7 @@ def test_tool_output_that_reports_no_outcome_yet_is_zero():
         '{"id": 81, "status": "paid", "items": [{"sku": "A1"}]}',
     ]
     for text in outcomes:
-        assert cues.tool_no_verdict(text) is None, text
+        assert tool_cues.tool_no_verdict(text) is None, text
     sure = {1: 0.95, -1: 0.02, 0: 0.03}  # a classifier that reads success
     assert embed_judge.decide(sure, "Job queued. JobId=512", "tool") == (0, "Job queued")
     # a failure sign with no sign of waiting is -1, whatever the classifier reads

@@ -9,7 +9,7 @@ import anyio
 import pytest
 
 from ocrl.judge.cases import evaluate, load_cases
-from ocrl.judge.cues import tool_failure
+from ocrl.judge.tool_cues import tool_failure
 from ocrl.judge.embed import EmbedJudge
 from ocrl.judge.hints import GenerateHintJudge
 from ocrl.judge.llm import GenerateJudge, VerdictJudge, verdict_probs_from_logprobs

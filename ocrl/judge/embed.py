@@ -1,6 +1,6 @@
 """The CPU judge: the committee that reads the next state (committee.py: a fine-tuned
 classifier, classifier.py, and a model of its n-grams, ngrams.py) and the decision rule over its probabilities
-(`decide`, with the textual cues of cues.py), behind the judge protocol (`EmbedJudge`); its
+(`decide`, with the textual cues of cues.py and tool_cues.py), behind the judge protocol (`EmbedJudge`); its
 cross-validation on the fit data and the command that reports it on labelled cases. The verdict
 is read from the next state; a committee member may read the response too, as context (what the
 next state answers: `committee.RESPONSE_READER`, not shipped), and the cues never do.
@@ -18,18 +18,9 @@ import anyio
 from ocrl.judge.cases import Case, evaluate, format_report, load_cases, tally
 from ocrl.judge.classifier import FIT_DATA, LABELS, FitSettings, Item, item_of, labels_to_index
 from ocrl.judge.committee import MEMBERS, Committee, load_committee, new_member
-from ocrl.judge.cues import (
-    edit_cue,
-    imperative_cue,
-    new_question,
-    praise_opening,
-    redo_cue,
-    softened_request,
-    tool_failure,
-    tool_no_verdict,
-    verdict_part,
-)
+from ocrl.judge.cues import edit_cue, imperative_cue, new_question, praise_opening, redo_cue, softened_request, verdict_part
 from ocrl.judge.ngrams import NGramSettings
+from ocrl.judge.tool_cues import tool_failure, tool_no_verdict
 from ocrl.judge.votes import timed_verdict
 from ocrl.types import Verdict, Vote
 
