@@ -240,11 +240,10 @@ _REFERS_BACK = re.compile(
 def new_question(text: str) -> str | None:
     """The question word of a user's message that asks a question of its own about something new
     ("ok. how long does a round of 18 usually take?"), or None: one that names anything of the
-    answer ("is that per car?"), asks for it again or has an edit word is no new question."""
+    answer ("is that per car?") is no new question. Its shape only: `decide` reads it where
+    no edit, redo or request cue is (those it has computed already)."""
     match = _NEW_QUESTION.search(text)
-    if match is None or _REFERS_BACK.search(text) or edit_cue(text) or redo_cue(text):
-        return None
-    return match.group(1)
+    return None if match is None or _REFERS_BACK.search(text) else match.group(1)
 
 
 def praise_opening(text: str) -> str | None:
