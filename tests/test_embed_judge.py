@@ -287,6 +287,13 @@ def test_imperative_cues_and_signs_of_moving_on():
     for text in ["cc Maria on it", "make it shorter", "love it, just drop the last line", "thanks!"]:
         assert cues.moves_on(text) is None, text
     assert cues.moves_on("put the charts next to their sections") is None  # "next to" is a place
+    # a request for a new thing (a verb of making, an indefinite object) moves on; another version does not
+    for text, sign in [("thanks. write me a predicate that counts list elements", "write"), ("make a packing list for the hike", "make"),
+                       ("cool, can you draft a complaint to the council?", "draft")]:
+        assert cues.moves_on(text) == sign, text
+    for text in ["write me a different one", "make a few more", "give me a rough number", "write it shorter"]:
+        assert cues.moves_on(text) is None, text
+    assert embed_judge.decide({1: 0.9, -1: 0.05, 0: 0.05}, "thanks. write me a predicate that counts list elements", "user")[0] == 1
     # "now" that closes a clause, or "right now"/"for now", tells the time; it does not move on
     for text in ["thanks, works now", "feeling a bit less sick about it now.", "undecided for now", "the sky is so pink right now"]:
         assert cues.moves_on(text) is None, text
@@ -344,7 +351,8 @@ def test_contrast_only_and_redo_words_in_scripts_and_languages_beyond_the_common
 def test_putting_the_answer_somewhere_acts_on_it_and_a_comparative_asks_for_a_change():
     # "put it on the shop page", "pin it in the group chat": the answer as it stands, placed somewhere
     for text in ["yep that's it, put it on the shop page", "lgtm, pin it in the group chat", "go ahead and add it to the router",
-                 "👍 roster's good, put it up on the event page", "lgtm, put it up", "add it all to the shop order"]:
+                 "👍 roster's good, put it up on the event page", "lgtm, put it up", "add it all to the shop order", "add to basket",
+                 "sign me up 🩰"]:
         assert cues.edit_cue(text) is None and cues.imperative_cue(text) is None, text
     # putting it into a form, or another clause that edits, is still a change
     assert cues.edit_cue("put it in a table") == "put it" and cues.imperative_cue("put it in a table") == "put"

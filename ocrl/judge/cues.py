@@ -76,10 +76,13 @@ _OPENING = re.compile(r"^\W*[^\W\d_][^\s\d,.!?;:]*(?:\s+[^\s\d,.!?;:]+){0,2}\s*[
 
 
 # Putting the answer somewhere ("put it on the shop page", "pin it in the group chat", "add it to
-# my calendar") acts on it as it stands: no edit, whatever the verb. On the labelled cases 29 such
-# messages are approvals or next tasks and one is a change request ("put it in the order we'd ...").
+# my calendar", "add to basket") or signing up for it acts on it as it stands: no edit, whatever the
+# verb. On the labelled cases 29 such messages are approvals or next tasks and one is a change
+# request ("put it in the order we'd ..."); the three with no object ("add to basket", "sign me
+# up") are approvals.
 _PLACING = re.compile(
-    r"(?i:(?:put|pin|post|stick|pop|add) (?:it|them|this|that)(?: all)?(?: up)?(?: (?:on|in|into|onto|to) (?:the|my|our|his|her|their)\b|\W*$))"
+    r"(?i:(?:put|pin|post|stick|pop|add) (?:it|them|this|that)(?: all)?(?: up)?(?: (?:on|in|into|onto|to) (?:the|my|our|his|her|their)\b|\W*$)"
+    r"|add to (?:the |my |our )?(?:basket|cart|trolley|calendar|diary|wishlist)\b|sign (?:me|us) up\b)"
 )
 
 
@@ -206,8 +209,13 @@ _THANKS = _any_of(
 )
 
 # Signs that the user moves on to something new rather than asking for a change: a word of
-# sequence or addition ("now", "next", "also", "same for", "let's"), or a question that opens a
-# clause ("how do I ...", "what about ...").
+# sequence or addition ("now", "next", "also", "same for", "let's"), a question that opens a
+# clause ("how do I ...", "what about ..."), or a request for a new thing, a verb of making that
+# opens a clause or a request, with an indefinite object ("write me a predicate that ...", "can you
+# make a packing list for ..."; not "a different one", "a few more": those ask for the answer
+# again). Of the 30 labelled such requests that carry a request form and no other cue, 29 are
+# next tasks and one an off-topic ask; "give" is left out ("that tells me nothing, give me a
+# number": three complaints).
 _MOVES_ON = (
     re.compile(
         r"(?i:\b((?<!right )(?<!just )(?<!for )(?<!by )(?<!until )(?<!till )(?<!from )now(?!\s*(?:[.!;)]|$))|next(?! to\b| time\b)|then|also|ahora|luego|también|jetzt|dann|danach|auch|maintenant|ensuite|aussi|adesso|poi|anche"
@@ -216,6 +224,11 @@ _MOVES_ON = (
     ),
     re.compile(
         r"(?i:(?:^|[,.!:;\u2014]\s*)(?:(?:and|so|but|or|ok|okay) )?(how|what|where|when|why|which|who|is|are|does|do i|should|can i|could i)\b)"
+    ),
+    re.compile(
+        r"(?i:(?:^|[,.!;:\u2014]\s*|\b(?:(?:could|can|would|will) (?:you|u)|pls|please|plz|just|and|then)\s+)\W*"
+        r"(write|draft|make|do|translate|list|set up|create|plan|find|build|suggest)\s+(?:me\s+|us\s+)?(?:a|an|some)\s+"
+        r"(?!(?:completely|totally|whole|different|fresh|new|brand|few|couple|minute|sec|second|moment|bit|more|other|better|shorter|longer|simpler)\b))"
     ),
 )
 
