@@ -372,7 +372,8 @@ def test_a_user_message_is_plus_one_only_above_the_positive_floor():
 
 def test_a_new_question_of_the_users_own_moves_on():
     for text, word in [("ok. how long does a round of 18 usually take?", "how"), ("noted. any salsa socials on fridays?", "any"),
-                       ("what time do car boots start on a sunday?", "what")]:
+                       ("what time do car boots start on a sunday?", "what"), ("mm ok. best way to keep basil alive?", "best way"),
+                       ("interesting. any tips for a first half marathon?", "any")]:
         assert cues.new_question(text) == word, text
     # a question about the answer, a complaint, a request for it again: no new question
     for text in ["is that per car?", "does the cheaper one clamp to a 40mm worktop?", "why a table?", "how about another one?",
@@ -383,6 +384,10 @@ def test_a_new_question_of_the_users_own_moves_on():
     assert embed_judge.decide({1: 0.15, -1: 0.25, 0: 0.60}, question, "user")[0] != 1  # a correction leads
     assert embed_judge.decide({1: 0.05, -1: 0.01, 0: 0.94}, question, "user")[0] == 0  # below the question floor
     assert embed_judge.decide({1: 0.15, -1: 0.05, 0: 0.80}, "is that per car?", "user")[0] == 0  # the positive floor
+    # an edit word after the sign of moving on belongs to the new question; one before it is a verdict
+    asks = "and how do I parse a csv without pandas"
+    assert cues.edit_cue(asks) == "without" and embed_judge.decide({1: 0.3, -1: 0.05, 0: 0.65}, asks, "user") == (1, None)
+    assert embed_judge.decide({1: 0.3, -1: 0.05, 0: 0.65}, "too long. how do I parse a csv without pandas", "user")[0] != 1
 
 
 def test_a_softened_request_after_an_opening_is_never_plus_one():

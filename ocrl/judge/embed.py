@@ -163,10 +163,12 @@ def decide(
         edit, verb = edit_cue(next_state), None if on else imperative_cue(next_state)
         softened = None if on else softened_request(next_state)
         cue = edit or redo or verb
-        if cue is None and probs[1] >= max(question_floor, probs[-1]) and new_question(next_state) is not None:
-            return 1, None  # a new question of its own: it moves on, unless a correction leads
         # moving on relaxes the guard only for edit words in the new request, not in the verdict before it
         relaxed = on is not None and edit_cue(before) is None
+        # a new question of its own moves on, unless a correction leads (an edit word after the
+        # sign of moving on is the new request's: "and how do I ... without blocking")
+        if (cue is None or relaxed) and probs[1] >= max(question_floor, probs[-1]) and new_question(next_state) is not None:
+            return 1, None
         praised = verb is not None and edit is None and praise_opening(next_state) is not None
         never = (
             (verb is not None and edit is not None)
