@@ -265,6 +265,10 @@ def test_edit_cues_in_user_messages():
     # "wrong" in what would have happened without the answer
     assert cues.edit_cue("cheers, I'd have booked the wrong train") is None
     assert cues.edit_cue("you booked the wrong train") == "wrong"
+    # ... or in what the user did, and a "but" that concedes before the answer made it clear
+    assert cues.edit_cue("omg. been holding it wrong for months 🙈 thank you") is None
+    assert cues.edit_cue("you're holding it wrong") == "wrong"
+    assert cues.edit_cue("ugh, that's annoying. but clear now, cheers") is None
     assert cues.imperative_cue("great. more detail on step 2") == "more"
 
 
@@ -352,7 +356,7 @@ def test_putting_the_answer_somewhere_acts_on_it_and_a_comparative_asks_for_a_ch
     # "put it on the shop page", "pin it in the group chat": the answer as it stands, placed somewhere
     for text in ["yep that's it, put it on the shop page", "lgtm, pin it in the group chat", "go ahead and add it to the router",
                  "👍 roster's good, put it up on the event page", "lgtm, put it up", "add it all to the shop order", "add to basket",
-                 "sign me up 🩰"]:
+                 "sign me up 🩰", "great, put the renewal date in my calendar", "lovely. save it to my notes"]:
         assert cues.edit_cue(text) is None and cues.imperative_cue(text) is None, text
     # putting it into a form, or another clause that edits, is still a change
     assert cues.edit_cue("put it in a table") == "put it" and cues.imperative_cue("put it in a table") == "put"
@@ -377,7 +381,7 @@ def test_a_new_question_of_the_users_own_moves_on():
         assert cues.new_question(text) == word, text
     # a question about the answer, a complaint, a request for it again: no new question
     for text in ["is that per car?", "does the cheaper one clamp to a 40mm worktop?", "why a table?", "how about another one?",
-                 "what about in Spanish instead?", "thanks!"]:
+                 "what about in Spanish instead?", "thanks!", "ok. what does 'reasonable adjustments' cover though?"]:
         assert cues.new_question(text) is None, text
     question = "ok. how long does a round of 18 usually take?"
     assert embed_judge.decide({1: 0.15, -1: 0.05, 0: 0.80}, question, "user") == (1, None)  # neutral leads: still +1
@@ -469,6 +473,9 @@ def test_failure_cues_by_kind_of_tool_output():
         "HTTP/2 503",
         "{\"ok\": false}",
         "getaddrinfo ENOTFOUND db.local",  # DNS
+        'debugger invoked on a SIMPLE-ERROR in thread\n#<THREAD "main thread" RUNNING {1004}>:\n  no such key',  # SBCL
+        "The variable *DB* is unbound.",
+        "cp: cannot create regular file 'a.conf': Read-only file system",
         "x509: certificate signed by unknown authority",  # TLS
         "You need edit rights to change this",  # permission
         "Only the owner can delete this calendar.",
@@ -541,6 +548,7 @@ def test_failure_cues_by_kind_of_tool_output():
         # an echoed command's own words, and in a search's output the words it searched for
         "$ cppcheck --error-exitcode=1 src/\nChecking src/osc.c ...\n1/1 files checked 100% done",
         "$ grep -n 'FAILED' runs.log | head -2\n14: run 7 FAILED\n31: run 9 FAILED",
+        "[saving current Lisp image into app:\nwriting 0 bytes from the read-only space at 0x50000000\ndone]",  # SBCL
     ]
     for text in successes:
         assert tool_cues.tool_failure(text) is None, text
@@ -561,6 +569,9 @@ def test_tool_output_that_reports_no_outcome_yet_is_zero():
         "Backing up instance: 41% (62.11MB/s)",  # progress short of done
         "[21:58:14] Cloning vm-1021 to web-2...(7%, 1.2MiB/s)",
         "Execution started: [4821] nightly-backup",
+        '{"id": "n-7", "type": "sms", "status": "sending"}',
+        "Cluster 'web-prod' is being created.",
+        'HTTP/1.1 201 Created\n{"detail": "Request accepted", "estimatedSeconds": 5}',
     ]
     empty = [
         '{"total_count": 0, "items": []}',

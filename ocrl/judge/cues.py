@@ -79,9 +79,12 @@ _OPENING = re.compile(r"^\W*[^\W\d_][^\s\d,.!?;:]*(?:\s+[^\s\d,.!?;:]+){0,2}\s*[
 # my calendar", "add to basket") or signing up for it acts on it as it stands: no edit, whatever the
 # verb. On the labelled cases 29 such messages are approvals or next tasks and one is a change
 # request ("put it in the order we'd ..."); the three with no object ("add to basket", "sign me
-# up") are approvals.
+# up") are approvals, as are the 8 that name a calendar, notes or a basket to put a thing in
+# ("put the deadline in my calendar").
 _PLACING = re.compile(
     r"(?i:(?:put|pin|post|stick|pop|add) (?:it|them|this|that)(?: all)?(?: up)?(?: (?:on|in|into|onto|to) (?:the|my|our|his|her|their)\b|\W*$)"
+    r"|(?:put|pin|stick|pop|add|save) (?:(?:the|that|this) \w+(?: \w+)? )?(?:on|in|into|onto|to) (?:my|our) (?:calendar|diary|planner|notes"
+    r"|basket|cart|trolley|wishlist|favourites|bookmarks)\b"
     r"|add to (?:the |my |our )?(?:basket|cart|trolley|calendar|diary|wishlist)\b|sign (?:me|us) up\b)"
 )
 
@@ -96,7 +99,7 @@ _COMPARATIVES_OF_EDITS = (
 # but useful, thanks", "more forms than I'd hoped but fine"): all 16 such labelled messages are thanks.
 _CONCEDING = re.compile(
     r"(?i:\W+(?:\w+\W+)?(?:cheers|thanks|thank you|thx|ta|fine|ok|okay|worth it|good to know|that helps|helpful"
-    r"|makes sense|fair enough|great|love it|perfect|nice)\b)"
+    r"|makes sense|fair enough|great|love it|perfect|nice|clear now)\b)"
 )
 # A comparative with "than" after it compares; it asks for nothing ("more forms than I'd hoped",
 # "way less painful than my spreadsheet"): the 4 such labelled messages are thanks and approvals.
@@ -105,6 +108,8 @@ _THAN = re.compile(r"(?i:(?:\s+[\w']+){0,3}?\s+than\b)")
 # "wrong" in what would have happened without the answer ("I'd have logged it wrong"): all 5 such
 # labelled messages are thanks
 _COUNTERFACTUAL = re.compile(r"(?i:\b(?:i'd|i would|would've|would have|could've|could have|might have|might've)\b[^.!?]{0,40}$)")
+# ... or in what the user did ("been doing it wrong for a year", "I was holding it wrong")
+_OWN_DOING = re.compile(r"(?i:\b(?:i|i've|i have|we|we've|we have|been)\s+(?:been\s+|was\s+|were\s+)?\w+ing\s+(?:it|this|that|them)\s+$)")
 
 
 def _first_edit(pattern: re.Pattern[str], text: str) -> re.Match[str] | None:
@@ -117,7 +122,9 @@ def _first_edit(pattern: re.Pattern[str], text: str) -> re.Match[str] | None:
         word = (last.group(0) if last else match.group(0)).strip(" ,.!;:").lower()
         conceding = word == "but" and _CONCEDING.match(text, match.end()) is not None
         comparing = word in _COMPARATIVES and _THAN.match(text, match.end()) is not None
-        supposing = word == "wrong" and _COUNTERFACTUAL.search(text, 0, match.start()) is not None
+        supposing = word == "wrong" and (
+            _COUNTERFACTUAL.search(text, 0, match.start()) is not None or _OWN_DOING.search(text, 0, match.start()) is not None
+        )
         if not (conceding or comparing or supposing) and not any(_PLACING.match(text, start) for start in starts):
             return match
     return None
@@ -248,7 +255,7 @@ _NEW_QUESTION = re.compile(
 )
 _REFERS_BACK = re.compile(
     r"(?i:\b(?:that|this|it|its|it's|those|these|they|them|one|ones|you|your|yours|so|yeah|right\?|per|each|instead|again"
-    r"|other|another|else|new|different|wait|hang on|hmm|or)\b)"
+    r"|other|another|else|new|different|wait|hang on|hmm|or|though)\b)"
 )
 
 

@@ -12,7 +12,8 @@ import re
 # Cheap evidence of a failed tool call: a tool message that shows one is scored -1 (an error
 # read as success would train the policy the wrong way). Written from the kinds of failure
 # that tools print, by ecosystem, not from any case a judge missed (but gpg's "BAD signature",
-# added when the spent tenth held-out set showed it missing):
+# added when the spent tenth held-out set showed it missing, and SBCL's debugger, and the
+# "read-only space" of a saved Lisp image that is no failure, from the spent twenty-second):
 _FAILURE_CUES = (
     # runtimes: exception names, tracebacks and stack frames (Python, Java, Node), panics (Go, Rust)
     r"Traceback \(most recent call last\)|(?<!\b0 )\b\w*(?:Error|Exception)\b|\w+Timeout\b"
@@ -28,10 +29,11 @@ _FAILURE_CUES = (
     r"|(?i:(?<!(?<![=:])\b0 )\bfailed\b(?![:=]?\s*0\b)|(?<!(?<![=:])\b0 )(?<!\b[Nn]o )\bfailures?\b(?![:=]?\s*0\b)|\baborted\b|\bcrashed\b|\brejected\b|\bdeclined\b|\binsufficient\b|\bgiving up\b|\bgave up\b|\bunable to\b"
     r"|\bcould not\b|\bcouldn't\b|\bcannot\b|\bcan't\b|\binvalid\b|\bunknown (?:command|option|host|user)\b|\bunsupported\b)"
     r"|(?i:\bsegmentation fault\b|\bcore dumped\b|\bno space left\b|\bno free space\b|\bout of memory\b|\bunavailable\b|\bmismatch\b|(?<!\b0 )\bdegraded\b"
-    r"|\bunrecognized\b|\bunresolved\b|\bunexpected\b|\brolled back\b|\brevoked\b|\brestricted\b|\bread-only\b|\bview-only\b|(?<!\b0 )(?<!\b[Nn]o )\bbroke(?:n)?\b"
+    r"|\bunrecognized\b|\bunresolved\b|\bunexpected\b|\brolled back\b|\brevoked\b|\brestricted\b|\bread-only\b(?! (?:space|section|segment|region)\b)|\bview-only\b|(?<!\b0 )(?<!\b[Nn]o )\bbroke(?:n)?\b"
     r"|\b(?:is|are) required\b|\balready (?:taken|booked|in use)\b|\bis not (?:a )?(?:valid|real|defined|supported)\b"
     r"|\b(?:was|were) not (?:sent|saved|added|created|written|delivered|applied|published|uploaded|deleted|updated|imported|copied|moved)\b"
     r"|\bnothing was (?:sent|saved|added|created|written|delivered|imported|copied|moved)\b|\bonly (?:the )?(?:\w+ ){0,2}(?:owners?|admins?|administrators?|members?) can\b)"
+    r"|\bdebugger invoked on\b|(?i:\bis unbound\b)"  # a Lisp condition that stops in the debugger
     r"|\bFAIL\b|\bSSL_ERROR_\w+|(?m:^\S+\.go:\d+:\d+: )|(?i:\bbad signature\b)|(?i:(?<!\b0 )(?<!\bnot )(?<!\bnever )\bexpired\b)",
     # scanners that found something: vulnerabilities (osv-scanner, npm audit, pip-audit, grype), malware
     # (ClamAV's "<file>: <signature> FOUND", "Infected files: 1"), secrets (trufflehog, gitleaks)
@@ -129,10 +131,13 @@ def _zero_count(text: str, match: re.Match[str]) -> bool:
 # labelled successes: "Started"/"Running" at the head of a line (containers, test runners,
 # servers), "0 issues"/"no problems found" (a checker's pass), a "state": "open" (a listing of pull
 # requests), "%" alone (disk use, ping loss, compression).
+# Progress verbs such as "Scanning"/"Converting" beside a percentage are left out too (a type
+# checker's coverage, an e-book converter that finished); "sending", "Request accepted" and "is
+# being created" came with the spent twenty-second set, no labelled outcome carries them.
 _PENDING = (
     r"pending|queued|in[ _-]?progress|processing|awaiting|waiting for\b|submitted|scheduled|in[ _]transit|pre_transit"
     r"|requested|accepted|starting|running|not_started|provisioning|building|deploying|initiali[sz]ing|enqueued"
-    r"|preparing|syncing|printing|downloading|uploading|copying"
+    r"|preparing|syncing|printing|downloading|uploading|copying|sending"
 )
 _EMPTY_LISTS = r"items|results?|matches|hits|records|rows|events|entries|contacts|documents|docs|objects|invoices|orders|tasks|content|data|list"
 _ZERO_TOTALS = r"total|count|total_?count|totalResults|totalElements|total_results|resultCount|result_count|hits|num_?found|numFound|matches"
@@ -145,7 +150,8 @@ _NO_VERDICT_CUES = (
     rf"(?i:\"?(?:status|state|phase|stage|job_?status|job_?state|\w+_status|\w+Status)\"?\s*[:=]\s*\"?(?:{_PENDING})\b)",
     rf"(?i:\b(?:status|state)\s*[:=]?\s+(?:is\s+)?(?:{_PENDING})\b)",
     r"(?i:\bis (?:now )?(?:pending|queued|running|processing|in progress|scheduled)\b)|\bin progress\b|\bIN_PROGRESS\b|\bRUNNING\b|\bPENDING\b|\bQUEUED\b",
-    r"(?i:\b(?:has been|was|been) (?:queued|scheduled|submitted|accepted|received)\b|\bstill (?:creating|running|waiting|processing|building|pending|in progress)\b)",
+    r"(?i:\b(?:has been|was|been) (?:queued|scheduled|submitted|accepted|received)\b|\brequest accepted\b"
+    r"|\bis being (?:created|provisioned|processed|deployed|built|prepared|uploaded|sent|restored|migrated|generated|indexed|imported|exported)\b|\bstill (?:creating|running|waiting|processing|building|pending|in progress)\b)",
     # a job handed over: accepted (HTTP 202), queued, scheduled, started or triggered
     r"\bHTTP/[\d.]+ 202\b|\"StatusCode\":\s*202\b|\b202 Accepted\b",
     r"(?i:\b(?:job|jobs|deployment|task|build|export|request|message|run|operation)\b[^\n.]{0,30}?\b(?:queued|enqueued|scheduled|submitted)\b"
