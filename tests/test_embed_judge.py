@@ -269,6 +269,9 @@ def test_edit_cues_in_user_messages():
     assert cues.edit_cue("omg. been holding it wrong for months 🙈 thank you") is None
     assert cues.edit_cue("you're holding it wrong") == "wrong"
     assert cues.edit_cue("ugh, that's annoying. but clear now, cheers") is None
+    # "said" in agreement, and a contrary authority
+    assert cues.edit_cue("thanks, that's exactly what my GP said last week") is None
+    assert cues.edit_cue("the vet said twice a day") == "said"
     assert cues.imperative_cue("great. more detail on step 2") == "more"
 
 
@@ -356,11 +359,13 @@ def test_putting_the_answer_somewhere_acts_on_it_and_a_comparative_asks_for_a_ch
     # "put it on the shop page", "pin it in the group chat": the answer as it stands, placed somewhere
     for text in ["yep that's it, put it on the shop page", "lgtm, pin it in the group chat", "go ahead and add it to the router",
                  "👍 roster's good, put it up on the event page", "lgtm, put it up", "add it all to the shop order", "add to basket",
-                 "sign me up 🩰", "great, put the renewal date in my calendar", "lovely. save it to my notes"]:
+                 "sign me up 🩰", "great, put the renewal date in my calendar", "lovely. save it to my notes",
+                 "sure, do it", "yep that's the one, keep it", "do it, go ahead and book"]:
         assert cues.edit_cue(text) is None and cues.imperative_cue(text) is None, text
     # putting it into a form, or another clause that edits, is still a change
     assert cues.edit_cue("put it in a table") == "put it" and cues.imperative_cue("put it in a table") == "put"
     assert cues.imperative_cue("put it on the page and make it bigger") == "and make"
+    assert cues.imperative_cue("do it in Python instead") == "do" and cues.edit_cue("keep it under 50 words") is not None
     # a comparative that opens a clause, after praise: never +1
     assert cues.imperative_cue("sweet. bigger date, smaller sponsor logos") == "bigger"
     assert embed_judge.decide({1: 0.9, -1: 0.09, 0: 0.01}, "sweet. bigger date, smaller sponsor logos", "user")[0] != 1
@@ -548,6 +553,7 @@ def test_failure_cues_by_kind_of_tool_output():
         # an echoed command's own words, and in a search's output the words it searched for
         "$ cppcheck --error-exitcode=1 src/\nChecking src/osc.c ...\n1/1 files checked 100% done",
         "$ grep -n 'FAILED' runs.log | head -2\n14: run 7 FAILED\n31: run 9 FAILED",
+        'HTTP/1.1 200 OK\n{"stats": {"totalNoError": 812, "totalNXDomain": 3}}',  # a DNS server's count of NOERROR answers
         "[saving current Lisp image into app:\nwriting 0 bytes from the read-only space at 0x50000000\ndone]",  # SBCL
     ]
     for text in successes:
@@ -571,6 +577,7 @@ def test_tool_output_that_reports_no_outcome_yet_is_zero():
         "Execution started: [4821] nightly-backup",
         '{"id": "n-7", "type": "sms", "status": "sending"}',
         "Cluster 'web-prod' is being created.",
+        "$ redis-cli BGSAVE\nBackground saving started",
         'HTTP/1.1 201 Created\n{"detail": "Request accepted", "estimatedSeconds": 5}',
     ]
     empty = [

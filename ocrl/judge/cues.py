@@ -80,12 +80,14 @@ _OPENING = re.compile(r"^\W*[^\W\d_][^\s\d,.!?;:]*(?:\s+[^\s\d,.!?;:]+){0,2}\s*[
 # verb. On the labelled cases 29 such messages are approvals or next tasks and one is a change
 # request ("put it in the order we'd ..."); the three with no object ("add to basket", "sign me
 # up") are approvals, as are the 8 that name a calendar, notes or a basket to put a thing in
-# ("put the deadline in my calendar").
+# ("put the deadline in my calendar"). A bare "do it" or "keep it" (nothing after it in its clause)
+# approves the answer as it stands: 8 labelled approvals, where "do it again", "do it in inches"
+# and "keep it under 40 characters" ask for a change.
 _PLACING = re.compile(
     r"(?i:(?:put|pin|post|stick|pop|add) (?:it|them|this|that)(?: all)?(?: up)?(?: (?:on|in|into|onto|to) (?:the|my|our|his|her|their)\b|\W*$)"
     r"|(?:put|pin|stick|pop|add|save) (?:(?:the|that|this) \w+(?: \w+)? )?(?:on|in|into|onto|to) (?:my|our) (?:calendar|diary|planner|notes"
     r"|basket|cart|trolley|wishlist|favourites|bookmarks)\b"
-    r"|add to (?:the |my |our )?(?:basket|cart|trolley|calendar|diary|wishlist)\b|sign (?:me|us) up\b)"
+    r"|add to (?:the |my |our )?(?:basket|cart|trolley|calendar|diary|wishlist)\b|sign (?:me|us) up\b|(?:do|keep) it(?=\s*(?:[.!,;]|$)))"
 )
 
 
@@ -110,6 +112,8 @@ _THAN = re.compile(r"(?i:(?:\s+[\w']+){0,3}?\s+than\b)")
 _COUNTERFACTUAL = re.compile(r"(?i:\b(?:i'd|i would|would've|would have|could've|could have|might have|might've)\b[^.!?]{0,40}$)")
 # ... or in what the user did ("been doing it wrong for a year", "I was holding it wrong")
 _OWN_DOING = re.compile(r"(?i:\b(?:i|i've|i have|we|we've|we have|been)\s+(?:been\s+|was\s+|were\s+)?\w+ing\s+(?:it|this|that|them)\s+$)")
+# ... and "said" in agreement ("that's exactly what the nurse said too")
+_AGREEING = re.compile(r"(?i:\b(?:exactly|just|precisely) what\b[^.!?]{0,40}$)")
 
 
 def _first_edit(pattern: re.Pattern[str], text: str) -> re.Match[str] | None:
@@ -122,10 +126,11 @@ def _first_edit(pattern: re.Pattern[str], text: str) -> re.Match[str] | None:
         word = (last.group(0) if last else match.group(0)).strip(" ,.!;:").lower()
         conceding = word == "but" and _CONCEDING.match(text, match.end()) is not None
         comparing = word in _COMPARATIVES and _THAN.match(text, match.end()) is not None
+        agreeing = word == "said" and _AGREEING.search(text, 0, match.start()) is not None
         supposing = word == "wrong" and (
             _COUNTERFACTUAL.search(text, 0, match.start()) is not None or _OWN_DOING.search(text, 0, match.start()) is not None
         )
-        if not (conceding or comparing or supposing) and not any(_PLACING.match(text, start) for start in starts):
+        if not (conceding or comparing or supposing or agreeing) and not any(_PLACING.match(text, start) for start in starts):
             return match
     return None
 

@@ -16,7 +16,7 @@ import re
 # "read-only space" of a saved Lisp image that is no failure, from the spent twenty-second):
 _FAILURE_CUES = (
     # runtimes: exception names, tracebacks and stack frames (Python, Java, Node), panics (Go, Rust)
-    r"Traceback \(most recent call last\)|(?<!\b0 )\b\w*(?:Error|Exception)\b|\w+Timeout\b"
+    r"Traceback \(most recent call last\)|(?<!\b0 )\b(?!\w*NoError\b)\w*(?:Error|Exception)\b|\w+Timeout\b"
     r"|\bpanic:|\bpanicked\b|\bgoroutine \d+ \[|(?m:^\s+at [\w$.<>]+ ?\(.*:\d+\)?\)?\s*$)",
     # words that report a failure, and exit codes (bare, or as JSON fields an agent's tool wraps them in)
     r"(?<!\b0 )(?<!\b[Nn]o )\b(?i:errors?|err!)(?![\w-]|\.\w)(?!\"?\s*[:=]\s*(?:null|\[\]|\{\}|\"\"|false|0\b))"
@@ -153,7 +153,7 @@ _NO_VERDICT_CUES = (
     r"(?i:\b(?:has been|was|been) (?:queued|scheduled|submitted|accepted|received)\b|\brequest accepted\b"
     r"|\bis being (?:created|provisioned|processed|deployed|built|prepared|uploaded|sent|restored|migrated|generated|indexed|imported|exported)\b|\bstill (?:creating|running|waiting|processing|building|pending|in progress)\b)",
     # a job handed over: accepted (HTTP 202), queued, scheduled, started or triggered
-    r"\bHTTP/[\d.]+ 202\b|\"StatusCode\":\s*202\b|\b202 Accepted\b",
+    r"\bHTTP/[\d.]+ 202\b|\"StatusCode\":\s*202\b|\b202 Accepted\b|(?i:\bbackground (?:saving|save|job|task|sync) started\b)",
     r"(?i:\b(?:job|jobs|deployment|task|build|export|request|message|run|operation)\b[^\n.]{0,30}?\b(?:queued|enqueued|scheduled|submitted)\b"
     r"|\badded to (?:the )?queue\b|\bposition in queue\b|^queued\b|\bQueued\.|\bscheduled for\b)",
     r"(?i:\b(?:job|execution|run|build|task|operation)\b[^\n.]{0,40}?\bhas started\b|\bexecution started\b"
