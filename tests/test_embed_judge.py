@@ -397,6 +397,11 @@ def test_a_new_question_of_the_users_own_moves_on():
     asks = "and how do I parse a csv without pandas"
     assert cues.edit_cue(asks) == "without" and embed_judge.decide({1: 0.3, -1: 0.05, 0: 0.65}, asks, "user") == (1, None)
     assert embed_judge.decide({1: 0.3, -1: 0.05, 0: 0.65}, "too long. how do I parse a csv without pandas", "user")[0] != 1
+    # a contrast the message closes on is a verdict on the answer, even after a sign of moving on
+    closing = "great, now make thursday the gym day not friday"
+    assert cues.closing_contrast(closing) == "not friday" and cues.closing_contrast("firm but not cold, thanks") is None
+    assert embed_judge.decide({1: 0.93, -1: 0.06, 0: 0.01}, closing, "user")[0] != 1
+    assert embed_judge.decide({1: 0.93, -1: 0.06, 0: 0.01}, "great, now make a packing list for the gym", "user")[0] == 1
 
 
 def test_a_softened_request_after_an_opening_is_never_plus_one():
@@ -481,6 +486,7 @@ def test_failure_cues_by_kind_of_tool_output():
         "getaddrinfo ENOTFOUND db.local",  # DNS
         'debugger invoked on a SIMPLE-ERROR in thread\n#<THREAD "main thread" RUNNING {1004}>:\n  no such key',  # SBCL
         "The variable *DB* is unbound.",
+        "INFO:Slither:contracts/Token.sol analyzed (2 contracts with 93 detectors), 3 result(s) found",  # an analyzer's findings
         "cp: cannot create regular file 'a.conf': Read-only file system",
         "x509: certificate signed by unknown authority",  # TLS
         "You need edit rights to change this",  # permission
@@ -578,6 +584,7 @@ def test_tool_output_that_reports_no_outcome_yet_is_zero():
         "Execution started: [4821] nightly-backup",
         '{"id": "n-7", "type": "sms", "status": "sending"}',
         "Cluster 'web-prod' is being created.",
+        "Search: 0 result(s) found for 'tide'",
         "$ redis-cli BGSAVE\nBackground saving started",
         'HTTP/1.1 201 Created\n{"detail": "Request accepted", "estimatedSeconds": 5}',
     ]
@@ -604,6 +611,7 @@ def test_tool_output_that_reports_no_outcome_yet_is_zero():
         "/dev/sda1  98G  41G  52G  45% /",
         "Writing at 0x0001 (97 %)\nWriting at 0x0002 (100 %)\nWrote 87838 bytes",
         "AIDE found NO differences between database and filesystem. Looks okay!!",  # a check that passed
+        "INFO:Slither:contracts/Token.sol analyzed (2 contracts with 46 detectors), 0 result(s) found",
         '{"id": 81, "status": "paid", "items": [{"sku": "A1"}]}',
     ]
     for text in outcomes:

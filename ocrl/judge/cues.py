@@ -313,6 +313,21 @@ def moves_on(text: str) -> str | None:
     return verdict_part(text)[1]
 
 
+# A closing contrast ("... sunday as the cleaning day not saturday", "... with oat milk instead of
+# cow's"): on the labelled cases 203 of the 208 user messages that end so are corrections, change
+# requests or complaints; after a sign of moving on it is still the verdict on the answer.
+_CLOSING_CONTRAST = re.compile(
+    r"(?i:(?<!\bbut )(?<!\bit's )(?<!\bis )(?<!\bwill )(?<!\bwas )(?<!\bare )\b(?:not|instead of|rather than)"
+    r" (?:the |a |an |my |on |in |at )?[\w'-]+\W*$)"
+)
+
+
+def closing_contrast(text: str) -> str | None:
+    """The contrast a user's message closes on ("not saturday", "instead of rice"), or None."""
+    match = _CLOSING_CONTRAST.search(text)
+    return match.group(0).strip() if match else None
+
+
 def verdict_part(text: str) -> tuple[str, str | None]:
     """The part of a user's message before its first sign of moving on (the part that speaks of
     the previous answer; the whole message when it does not move on), and that sign or None."""

@@ -18,7 +18,7 @@ import anyio
 from ocrl.judge.cases import Case, evaluate, format_report, load_cases, tally
 from ocrl.judge.classifier import FIT_DATA, LABELS, FitSettings, Item, item_of, labels_to_index
 from ocrl.judge.committee import MEMBERS, Committee, load_committee, new_member
-from ocrl.judge.cues import edit_cue, imperative_cue, new_question, praise_opening, redo_cue, softened_request, verdict_part
+from ocrl.judge.cues import closing_contrast, edit_cue, imperative_cue, new_question, praise_opening, redo_cue, softened_request, verdict_part
 from ocrl.judge.ngrams import NGramSettings
 from ocrl.judge.tool_cues import tool_failure, tool_no_verdict
 from ocrl.judge.votes import timed_verdict
@@ -136,8 +136,9 @@ def decide(
     word ("great, but swap steps 2 and 3"), a request softened by "only"/"just" after an
     opening word or two in a language whose verbs the cues do not know
     ("perfetto, solo togli ...": `softened_request`), a request for the answer again, and a
-    verdict with an edit word before moving on ("No formatting please. Moving on: ...") are never
-    +1; and no user message is +1 below `positive_floor`, cue or none, but a new question of the
+    verdict with an edit word before moving on ("No formatting please. Moving on: ...", or a
+    contrast the message closes on: "great, now put sunday as the cleaning day not saturday",
+    `closing_contrast`) are never +1; and no user message is +1 below `positive_floor`, cue or none, but a new question of the
     user's own (`new_question`), which is +1 from `question_floor` unless a correction leads.
     Chosen by 5-fold cross-validation on the fit cases, first for a linear head over frozen embeddings
     (on 2,576 cases a single 0.7 guard on `edit_cue` alone scored 0.920 with 10 corrections at
@@ -164,7 +165,7 @@ def decide(
         softened = None if on else softened_request(next_state)
         cue = edit or redo or verb
         # moving on relaxes the guard only for edit words in the new request, not in the verdict before it
-        relaxed = on is not None and edit_cue(before) is None
+        relaxed = on is not None and edit_cue(before) is None and closing_contrast(next_state) is None
         # a new question of its own moves on, unless a correction leads (an edit word after the
         # sign of moving on is the new request's: "and how do I ... without blocking")
         if (cue is None or relaxed) and probs[1] >= max(question_floor, probs[-1]) and new_question(next_state) is not None:

@@ -38,7 +38,9 @@ _FAILURE_CUES = (
     # scanners that found something: vulnerabilities (osv-scanner, npm audit, pip-audit, grype), malware
     # (ClamAV's "<file>: <signature> FOUND", "Infected files: 1"), secrets (trufflehog, gitleaks)
     r"(?i:\b[1-9]\d* (?:known )?vulnerabilit(?:y|ies)\b)|(?m::\s+\S[^\n]*\sFOUND\s*$)|(?i:\binfected files:\s*[1-9])"
-    r"|(?i:\bfound (?:un)?verified result\b|\bleaks found:\s*[1-9])|(?i:\bfound [1-9]\d* (?:\w+ )?(?:issues?|problems?|violations?|vulnerable paths?)\b)",
+    r"|(?i:\bfound (?:un)?verified result\b|\bleaks found:\s*[1-9])|(?i:\bfound [1-9]\d* (?:\w+ )?(?:issues?|problems?|violations?|vulnerable paths?)\b)"
+    # a static analyzer's count of findings (Slither: "analyzed (3 contracts ...), 1 result(s) found")
+    r"|(?i:\banalyzed\b[^\n]{0,120}?\b[1-9]\d* results?(?:\(s\))? found)",
     # formatters and linters run as a check: files they would change (black, ruff format, prettier)
     r"(?i:\b[1-9]\d* files? would be reformatted\b|\bwould reformat\b|\bcode style issues found\b)",
     # build tools: make's "***" lines, cargo/rustc/tsc/gcc error codes, a failed build
@@ -181,13 +183,17 @@ _PROGRESS = re.compile(
 _DONE = re.compile(r"\b100\s?%")
 
 
+# a static analyzer that found nothing has passed: no empty result
+_ANALYZER_PASSED = re.compile(r"(?i:\banalyzed\b[^\n]{0,120}?\b0 results?(?:\(s\))? found)")
+
+
 def tool_no_verdict(text: str) -> str | None:
     """The first sign that a tool's output reports no outcome yet, or None: a job pending, queued,
     running or in progress (`"status": "pending"`, HTTP 202, "Job queued", "Backing up: 41%"), or
     a search or list that ran and found nothing (`"items": []`, "X-Total-Count: 0", "No results
     found", an empty stdout). Such output is neither success nor failure: `decide` scores it 0."""
     match = _NO_VERDICT.search(text)
-    if match is not None:
+    if match is not None and _ANALYZER_PASSED.search(text) is None:
         return " ".join(match.group(0).split())  # one line, as the vote's text is
     percent = _PERCENT.search(text)
     if percent is not None and _PROGRESS.search(text) and not _DONE.search(text):
