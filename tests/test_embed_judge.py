@@ -360,12 +360,15 @@ def test_putting_the_answer_somewhere_acts_on_it_and_a_comparative_asks_for_a_ch
     for text in ["yep that's it, put it on the shop page", "lgtm, pin it in the group chat", "go ahead and add it to the router",
                  "👍 roster's good, put it up on the event page", "lgtm, put it up", "add it all to the shop order", "add to basket",
                  "sign me up 🩰", "great, put the renewal date in my calendar", "lovely. save it to my notes",
-                 "sure, do it", "yep that's the one, keep it", "do it, go ahead and book"]:
+                 "sure, do it", "yep that's the one, keep it", "do it, go ahead and book", "reads well, put it live"]:
         assert cues.edit_cue(text) is None and cues.imperative_cue(text) is None, text
     # putting it into a form, or another clause that edits, is still a change
     assert cues.edit_cue("put it in a table") == "put it" and cues.imperative_cue("put it in a table") == "put"
     assert cues.imperative_cue("put it on the page and make it bigger") == "and make"
     assert cues.imperative_cue("do it in Python instead") == "do" and cues.edit_cue("keep it under 50 words") is not None
+    # "ta" and "cheers" open with thanks: a request after them needs the praise guard
+    assert cues.praise_opening("ta. add the tent pegs") == "ta" and cues.praise_opening("cheers, swap tuesday") == "cheers"
+    assert embed_judge.decide({1: 0.9, -1: 0.09, 0: 0.01}, "ta. add the tent pegs", "user")[0] != 1
     # a comparative that opens a clause, after praise: never +1
     assert cues.imperative_cue("sweet. bigger date, smaller sponsor logos") == "bigger"
     assert embed_judge.decide({1: 0.9, -1: 0.09, 0: 0.01}, "sweet. bigger date, smaller sponsor logos", "user")[0] != 1
@@ -486,6 +489,8 @@ def test_failure_cues_by_kind_of_tool_output():
         "getaddrinfo ENOTFOUND db.local",  # DNS
         'debugger invoked on a SIMPLE-ERROR in thread\n#<THREAD "main thread" RUNNING {1004}>:\n  no such key',  # SBCL
         "The variable *DB* is unbound.",
+        "Falhou. Nao tem saldo suficiente para enviar 500.00MT.",  # "failed" in another language
+        "Export fehlgeschlagen: Zeitüberschreitung",
         "INFO:Slither:contracts/Token.sol analyzed (2 contracts with 93 detectors), 3 result(s) found",  # an analyzer's findings
         "cp: cannot create regular file 'a.conf': Read-only file system",
         "x509: certificate signed by unknown authority",  # TLS
@@ -584,6 +589,10 @@ def test_tool_output_that_reports_no_outcome_yet_is_zero():
         "Execution started: [4821] nightly-backup",
         '{"id": "n-7", "type": "sms", "status": "sending"}',
         "Cluster 'web-prod' is being created.",
+        '{"Queued": true, "RequestId": "r-1"}',
+        '{"claim": "C-1", "status": "IN_REVIEW"}',
+        '{"exportIsRunning": true}',
+        "> ls ~/scans | where name =~ 'failed'\n╭────────────╮\n│ empty list │\n╰────────────╯",  # nushell: the command's words are no failure
         "Search: 0 result(s) found for 'tide'",
         "$ redis-cli BGSAVE\nBackground saving started",
         'HTTP/1.1 201 Created\n{"detail": "Request accepted", "estimatedSeconds": 5}',
@@ -621,6 +630,8 @@ def test_tool_output_that_reports_no_outcome_yet_is_zero():
     # a failure sign with no sign of waiting is -1, whatever the classifier reads
     assert embed_judge.decide(sure, '{"status": "failed", "items": [{"id": 7}]}', "tool") == (-1, '"status": "failed"')
     assert embed_judge.decide(sure, "Job queued. JobId=512", "user")[0] == 1  # read in tool output only
+    nushell = "> ls ~/scans | where name =~ 'failed'\n╭────────────╮\n│ empty list │\n╰────────────╯"
+    assert tool_cues.tool_failure(nushell) is None and embed_judge.decide(sure, nushell, "tool")[0] == 0
 
 
 @pytest.fixture(scope="module")

@@ -34,6 +34,8 @@ _FAILURE_CUES = (
     r"|\b(?:was|were) not (?:sent|saved|added|created|written|delivered|applied|published|uploaded|deleted|updated|imported|copied|moved)\b"
     r"|\bnothing was (?:sent|saved|added|created|written|delivered|imported|copied|moved)\b|\bonly (?:the )?(?:\w+ ){0,2}(?:owners?|admins?|administrators?|members?) can\b)"
     r"|\bdebugger invoked on\b|(?i:\bis unbound\b)"  # a Lisp condition that stops in the debugger
+    # the commonest words for "failed" in other languages (a mobile-money SMS, a localised CLI)
+    r"|(?i:\b(?:falhou|falló|échoué|fehlgeschlagen|mislukt|misslyckades|mislyktes|epäonnistui|başarısız|sikertelen|selhalo)\b|失败|失敗|실패|не удалось)"
     r"|\bFAIL\b|\bSSL_ERROR_\w+|(?m:^\S+\.go:\d+:\d+: )|(?i:\bbad signature\b)|(?i:(?<!\b0 )(?<!\bnot )(?<!\bnever )\bexpired\b)",
     # scanners that found something: vulnerabilities (osv-scanner, npm audit, pip-audit, grype), malware
     # (ClamAV's "<file>: <signature> FOUND", "Infected files: 1"), secrets (trufflehog, gitleaks)
@@ -79,7 +81,7 @@ _TOOL_FAILURE = re.compile("|".join(f"(?:{cue})" for cue in _FAILURE_CUES))
 
 # An echoed command line ("$ grep -n 'fail' app.log"): its own words are no sign of failure
 # ("--error-exitcode=1"), nor, when it searches, are the words it searched for in its output.
-_COMMAND = re.compile(r"\A\s*\$ ([^\n]*)")
+_COMMAND = re.compile(r"\A\s*(?:\$|>|❯|PS [^>\n]*>) (?=\S)([^\n]*)")  # a shell's prompt: sh, nushell or cmd, PowerShell
 _SEARCHING = re.compile(r"(?i:\b(?:grep|egrep|rg|ug|ag|ack|findstr|select-string|search|query|filter)\b)")
 
 
@@ -139,7 +141,7 @@ def _zero_count(text: str, match: re.Match[str]) -> bool:
 _PENDING = (
     r"pending|queued|in[ _-]?progress|processing|awaiting|waiting for\b|submitted|scheduled|in[ _]transit|pre_transit"
     r"|requested|accepted|starting|running|not_started|provisioning|building|deploying|initiali[sz]ing|enqueued"
-    r"|preparing|syncing|printing|downloading|uploading|copying|sending"
+    r"|preparing|syncing|printing|downloading|uploading|copying|sending|in[ _]review|under[ _]review"
 )
 _EMPTY_LISTS = r"items|results?|matches|hits|records|rows|events|entries|contacts|documents|docs|objects|invoices|orders|tasks|content|data|list"
 _ZERO_TOTALS = r"total|count|total_?count|totalResults|totalElements|total_results|resultCount|result_count|hits|num_?found|numFound|matches"
@@ -152,6 +154,7 @@ _NO_VERDICT_CUES = (
     rf"(?i:\"?(?:status|state|phase|stage|job_?status|job_?state|\w+_status|\w+Status)\"?\s*[:=]\s*\"?(?:{_PENDING})\b)",
     rf"(?i:\b(?:status|state)\s*[:=]?\s+(?:is\s+)?(?:{_PENDING})\b)",
     r"(?i:\bis (?:now )?(?:pending|queued|running|processing|in progress|scheduled)\b)|\bin progress\b|\bIN_PROGRESS\b|\bRUNNING\b|\bPENDING\b|\bQUEUED\b",
+    r"(?i:\"\w*(?:running|pending|processing|queued|in_?progress)\"\s*:\s*true\b)",
     r"(?i:\b(?:has been|was|been) (?:queued|scheduled|submitted|accepted|received)\b|\brequest accepted\b"
     r"|\bis being (?:created|provisioned|processed|deployed|built|prepared|uploaded|sent|restored|migrated|generated|indexed|imported|exported)\b|\bstill (?:creating|running|waiting|processing|building|pending|in progress)\b)",
     # a job handed over: accepted (HTTP 202), queued, scheduled, started or triggered
@@ -170,7 +173,7 @@ _NO_VERDICT_CUES = (
     r"|\bempty set\b|\bis empty\b|\(empty[\w ]*\)|\bno new \w+|^\s*no (?:results|matches|hits|entries|items|records|events)\b)",
     r"(?i:\bno (?:\w+ ){0,3}match(?:es)? your search\b|^\W*(?:\$ [^\n]*\n)?no (?:matches|results)\b|\bno resources found\b)",
     # empty output: nothing at all, an empty stdout, a command echoed with only its exit status 0 after it
-    r"^\s*(?:\[\s*\]|\{\s*\}|null|\(no (?:stdout|output)\))\s*$|(?:^|\s)\[\s*\]\s*$",
+    r"^\s*(?:\[\s*\]|\{\s*\}|null|\(no (?:stdout|output)\))\s*$|(?:^|\s)\[\s*\]\s*$|(?m:^\W*empty list\W*$)",
     r"\A\$ [^\n]*\n\$ echo [^\n]*\n?\s*(?:exit=)?0\s*\Z|(?i:\"?stdout\"?\s*:\s*(?:\"\"|\n|\s+\"?stderr))",
 )
 _NO_VERDICT = re.compile("|".join(f"(?:{cue})" for cue in _NO_VERDICT_CUES))
