@@ -272,6 +272,8 @@ def test_edit_cues_in_user_messages():
     # "said" in agreement, and a contrary authority
     assert cues.edit_cue("thanks, that's exactly what my GP said last week") is None
     assert cues.edit_cue("the vet said twice a day") == "said"
+    # "again" closing a question of the user's own recalls; after what happened it is a verdict
+    assert cues.edit_cue("noted. when can she swim again") is None and cues.edit_cue("it crashed again") == "again"
     assert cues.imperative_cue("great. more detail on step 2") == "more"
 
 
@@ -620,6 +622,7 @@ def test_tool_output_that_reports_no_outcome_yet_is_zero():
         "/dev/sda1  98G  41G  52G  45% /",
         "Writing at 0x0001 (97 %)\nWriting at 0x0002 (100 %)\nWrote 87838 bytes",
         "AIDE found NO differences between database and filesystem. Looks okay!!",  # a check that passed
+        "  App\\Jobs\\SendReceipt ........ RUNNING\n  App\\Jobs\\SendReceipt ........ 0.81s DONE",  # a log of states that ends done
         "INFO:Slither:contracts/Token.sol analyzed (2 contracts with 46 detectors), 0 result(s) found",
         '{"id": 81, "status": "paid", "items": [{"sku": "A1"}]}',
     ]

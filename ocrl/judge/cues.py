@@ -127,10 +127,12 @@ def _first_edit(pattern: re.Pattern[str], text: str) -> re.Match[str] | None:
         conceding = word == "but" and _CONCEDING.match(text, match.end()) is not None
         comparing = word in _COMPARATIVES and _THAN.match(text, match.end()) is not None
         agreeing = word == "said" and _AGREEING.search(text, 0, match.start()) is not None
+        # "again" closing a question of the user's own ("when can he drive again"), as in `redo_cue`
+        recalling = word == "again" and _AGAIN_QUESTION.search(text, 0, match.start()) is not None and _CLOSING.match(text, match.end()) is not None
         supposing = word == "wrong" and (
             _COUNTERFACTUAL.search(text, 0, match.start()) is not None or _OWN_DOING.search(text, 0, match.start()) is not None
         )
-        if not (conceding or comparing or supposing or agreeing) and not any(_PLACING.match(text, start) for start in starts):
+        if not (conceding or comparing or supposing or agreeing or recalling) and not any(_PLACING.match(text, start) for start in starts):
             return match
     return None
 

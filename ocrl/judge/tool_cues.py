@@ -186,6 +186,9 @@ _PROGRESS = re.compile(
 _DONE = re.compile(r"\b100\s?%")
 
 
+# a job's state in capitals, and the states after it that say it has finished
+_STATES = frozenset(("RUNNING", "PENDING", "QUEUED", "IN_PROGRESS"))
+_FINISHED = re.compile(r"\b(?:DONE|SUCCESS|SUCCEEDED|COMPLETED|FINISHED|PASSED)\b")
 # a static analyzer that found nothing has passed: no empty result
 _ANALYZER_PASSED = re.compile(r"(?i:\banalyzed\b[^\n]{0,120}?\b0 results?(?:\(s\))? found)")
 
@@ -195,8 +198,11 @@ def tool_no_verdict(text: str) -> str | None:
     running or in progress (`"status": "pending"`, HTTP 202, "Job queued", "Backing up: 41%"), or
     a search or list that ran and found nothing (`"items": []`, "X-Total-Count: 0", "No results
     found", an empty stdout). Such output is neither success nor failure: `decide` scores it 0."""
-    match = _NO_VERDICT.search(text)
-    if match is not None and _ANALYZER_PASSED.search(text) is None:
+    for match in _NO_VERDICT.finditer(text):
+        if _ANALYZER_PASSED.search(text) is not None:
+            break
+        if match.group(0) in _STATES and _FINISHED.search(text, match.end()) is not None:
+            continue  # a state in a log of states that later reads done ("... RUNNING", then "... DONE")
         return " ".join(match.group(0).split())  # one line, as the vote's text is
     percent = _PERCENT.search(text)
     if percent is not None and _PROGRESS.search(text) and not _DONE.search(text):
