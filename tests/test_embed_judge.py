@@ -362,7 +362,8 @@ def test_putting_the_answer_somewhere_acts_on_it_and_a_comparative_asks_for_a_ch
     for text in ["yep that's it, put it on the shop page", "lgtm, pin it in the group chat", "go ahead and add it to the router",
                  "👍 roster's good, put it up on the event page", "lgtm, put it up", "add it all to the shop order", "add to basket",
                  "sign me up 🩰", "great, put the renewal date in my calendar", "lovely. save it to my notes",
-                 "sure, do it", "yep that's the one, keep it", "do it, go ahead and book", "reads well, put it live"]:
+                 "sure, do it", "yep that's the one, keep it", "do it, go ahead and book", "reads well, put it live",
+                 "love it. drop it in the family chat"]:
         assert cues.edit_cue(text) is None and cues.imperative_cue(text) is None, text
     # putting it into a form, or another clause that edits, is still a change
     assert cues.edit_cue("put it in a table") == "put it" and cues.imperative_cue("put it in a table") == "put"
@@ -595,6 +596,9 @@ def test_tool_output_that_reports_no_outcome_yet_is_zero():
         '{"Queued": true, "RequestId": "r-1"}',
         '{"claim": "C-1", "status": "IN_REVIEW"}',
         '{"exportIsRunning": true}',
+        '{"entry": {"race": "Moor 50", "status": "WAITLISTED"}}',
+        "Action 1: Delay Until — Waiting until 2027-02-01 09:00",
+        "ℹ Deployment task 4118 started; not waiting for it to finish.",
         "> ls ~/scans | where name =~ 'failed'\n╭────────────╮\n│ empty list │\n╰────────────╯",  # nushell: the command's words are no failure
         "Search: 0 result(s) found for 'tide'",
         "$ redis-cli BGSAVE\nBackground saving started",
@@ -609,6 +613,9 @@ def test_tool_output_that_reports_no_outcome_yet_is_zero():
         '{"command": "find . -name \'*.bak\'", "stdout": "", "stderr": "", "exit_code": 0}',
         "$ find ~/Music -iname '*live*'\n$ echo $?\n0",
         "no open issues match your search in ana/notes",
+        "# A tibble: 0 × 3\n# ℹ 3 variables: shop <chr>, qty <dbl>, net <dbl>",  # an empty data frame
+        '{"@odata.context": "https://graph.example/$metadata#messages", "value": []}',
+        "$ ./train.sh > train.log 2>&1 &\n[1] 50112",  # sent to the background: a job number and a pid
     ]
     for text in pending + empty:
         assert tool_cues.tool_no_verdict(text) is not None, text

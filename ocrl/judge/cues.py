@@ -84,7 +84,7 @@ _OPENING = re.compile(r"^\W*[^\W\d_][^\s\d,.!?;:]*(?:\s+[^\s\d,.!?;:]+){0,2}\s*[
 # approves the answer as it stands: 8 labelled approvals, where "do it again", "do it in inches"
 # and "keep it under 40 characters" ask for a change.
 _PLACING = re.compile(
-    r"(?i:(?:put|pin|post|stick|pop|add) (?:it|them|this|that)(?: all)?(?: up| live)?(?: (?:on|in|into|onto|to) (?:the|my|our|his|her|their)\b|\W*$)"
+    r"(?i:(?:put|pin|post|stick|pop|add|drop) (?:it|them|this|that)(?: all)?(?: up| live)?(?: (?:on|in|into|onto|to) (?:the|my|our|his|her|their)\b|\W*$)"
     r"|(?:put|pin|stick|pop|add|save) (?:(?:the|that|this) \w+(?: \w+)? )?(?:on|in|into|onto|to) (?:my|our) (?:calendar|diary|planner|notes"
     r"|basket|cart|trolley|wishlist|favourites|bookmarks)\b"
     r"|add to (?:the |my |our )?(?:basket|cart|trolley|calendar|diary|wishlist)\b|sign (?:me|us) up\b|(?:do|keep) it(?=\s*(?:[.!,;]|$)))"

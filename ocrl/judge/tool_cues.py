@@ -141,9 +141,9 @@ def _zero_count(text: str, match: re.Match[str]) -> bool:
 _PENDING = (
     r"pending|queued|in[ _-]?progress|processing|awaiting|waiting for\b|submitted|scheduled|in[ _]transit|pre_transit"
     r"|requested|accepted|starting|running|not_started|provisioning|building|deploying|initiali[sz]ing|enqueued"
-    r"|preparing|syncing|printing|downloading|uploading|copying|sending|in[ _]review|under[ _]review"
+    r"|preparing|syncing|printing|downloading|uploading|copying|sending|in[ _]review|under[ _]review|waitlisted"
 )
-_EMPTY_LISTS = r"items|results?|matches|hits|records|rows|events|entries|contacts|documents|docs|objects|invoices|orders|tasks|content|data|list"
+_EMPTY_LISTS = r"items|results?|matches|hits|records|rows|events|entries|contacts|documents|docs|objects|invoices|orders|tasks|content|data|list|value"
 _ZERO_TOTALS = r"total|count|total_?count|totalResults|totalElements|total_results|resultCount|result_count|hits|num_?found|numFound|matches"
 _FOUND_NOUNS = (
     r"results?|matches|hits|entries|items|records|events|contacts|messages|conversations|documents|snapshots|tasks|tickets"
@@ -175,6 +175,10 @@ _NO_VERDICT_CUES = (
     # empty output: nothing at all, an empty stdout, a command echoed with only its exit status 0 after it
     r"^\s*(?:\[\s*\]|\{\s*\}|null|\(no (?:stdout|output)\))\s*$|(?:^|\s)\[\s*\]\s*$|(?m:^\W*empty list\W*$)",
     r"\A\$ [^\n]*\n\$ echo [^\n]*\n?\s*(?:exit=)?0\s*\Z|(?i:\"?stdout\"?\s*:\s*(?:\"\"|\n|\s+\"?stderr))",
+    # a command sent to the background, with only its job number and process id after it
+    r"\A\$ [^\n]*&\s*\n\[\d+\] \d+\s*\Z",
+    # an empty data frame (R's tibble), a job not waited for or waiting until a time
+    r"(?i:\bA tibble: 0 [×x]|\bnot waiting for (?:it|them|the \w+) to (?:finish|complete)\b|\bwaiting until\b)",
 )
 _NO_VERDICT = re.compile("|".join(f"(?:{cue})" for cue in _NO_VERDICT_CUES))
 # progress short of done: a percentage under 100 next to a word or a bar of progress
