@@ -425,11 +425,12 @@ def test_a_user_edit_cue_keeps_plus_one_away_unless_the_classifier_is_sure():
     fairly_sure = {1: 0.75, -1: 0.23, 0: 0.02}
     # a message that moves on to a new request: +1 once p(+1) reaches edit_guard (0.7)
     assert embed_judge.decide(fairly_sure, "great, now make it handle empty lists", "user") == (1, None)
-    # one that does not: the strict guard (0.8), for an edit word and for a clause-opening edit verb alike
+    # one that does not: the strict guard (0.85), for an edit word and for a clause-opening edit verb alike
     assert embed_judge.decide(fairly_sure, "thanks, but no rush on the rest", "user") == (-1, "but")
     assert embed_judge.decide(fairly_sure, "love it, just drop the RSVP line", "user") == (-1, "drop")
     sure = {1: 0.85, -1: 0.14, 0: 0.01}
     assert embed_judge.decide(sure, "thanks, but no rush on the rest", "user") == (1, None)  # classifier sure enough
+    assert embed_judge.decide({1: 0.82, -1: 0.17, 0: 0.01}, "thanks, but no rush on the rest", "user") == (-1, "but")
     # an edit word in the verdict before moving on keeps the strict guard: a complaint, then the next task
     assert embed_judge.decide(fairly_sure, "That's too long for me. Next: how do I boil an egg?", "user") == (-1, "too")
     # a redo request, or a verdict with an edit word before moving on: never +1, however sure
