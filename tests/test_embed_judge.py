@@ -425,6 +425,8 @@ def test_a_user_edit_cue_keeps_plus_one_away_unless_the_classifier_is_sure():
     fairly_sure = {1: 0.75, -1: 0.23, 0: 0.02}
     # a message that moves on to a new request: +1 once p(+1) reaches edit_guard (0.7)
     assert embed_judge.decide(fairly_sure, "great, now make it handle empty lists", "user") == (1, None)
+    # but a closing "too" may add to the answer as well as move on: the strict guard
+    assert embed_judge.decide(fairly_sure, "sweet. can you add a gluten-free option too?", "user")[0] != 1
     # one that does not: the strict guard (0.85), for an edit word and for a clause-opening edit verb alike
     assert embed_judge.decide(fairly_sure, "thanks, but no rush on the rest", "user") == (-1, "but")
     assert embed_judge.decide(fairly_sure, "love it, just drop the RSVP line", "user") == (-1, "drop")

@@ -184,7 +184,8 @@ def decide(
             or redo is not None
             or (on is not None and not relaxed)
         )
-        limit = edit_guard if relaxed else (float("inf") if never else praise_guard if praised else strict_guard)
+        # a closing "too" moves on or adds to the answer ("can you add a veggie filling too?"): the strict guard
+        limit = edit_guard if relaxed and on.strip().lower() != "too" else (float("inf") if never else praise_guard if praised else strict_guard)
         rule = cue if cue is not None and probs[1] < limit else None
         if rule is None and probs[1] < positive_floor:
             rule = f"p(+1) < {positive_floor}"
