@@ -363,7 +363,7 @@ def test_putting_the_answer_somewhere_acts_on_it_and_a_comparative_asks_for_a_ch
                  "👍 roster's good, put it up on the event page", "lgtm, put it up", "add it all to the shop order", "add to basket",
                  "sign me up 🩰", "great, put the renewal date in my calendar", "lovely. save it to my notes",
                  "sure, do it", "yep that's the one, keep it", "do it, go ahead and book", "reads well, put it live",
-                 "love it. drop it in the family chat"]:
+                 "love it. drop it in the family chat", "add all of it to the basket, i'll pay later"]:
         assert cues.edit_cue(text) is None and cues.imperative_cue(text) is None, text
     # putting it into a form, or another clause that edits, is still a change
     assert cues.edit_cue("put it in a table") == "put it" and cues.imperative_cue("put it in a table") == "put"
@@ -392,7 +392,8 @@ def test_a_new_question_of_the_users_own_moves_on():
         assert cues.new_question(text) == word, text
     # a question about the answer, a complaint, a request for it again: no new question
     for text in ["is that per car?", "does the cheaper one clamp to a 40mm worktop?", "why a table?", "how about another one?",
-                 "what about in Spanish instead?", "thanks!", "ok. what does 'reasonable adjustments' cover though?"]:
+                 "what about in Spanish instead?", "thanks!", "ok. what does 'reasonable adjustments' cover though?",
+                 "what does 'dry needling' mean there"]:
         assert cues.new_question(text) is None, text
     question = "ok. how long does a round of 18 usually take?"
     assert embed_judge.decide({1: 0.15, -1: 0.05, 0: 0.80}, question, "user") == (1, None)  # neutral leads: still +1
@@ -498,6 +499,8 @@ def test_failure_cues_by_kind_of_tool_output():
         "The variable *DB* is unbound.",
         "Falhou. Nao tem saldo suficiente para enviar 500.00MT.",  # "failed" in another language
         "Export fehlgeschlagen: Zeitüberschreitung",
+        "Incoming payment\nAmount: £40.00\nStatus: Returned by sending bank",  # a payment that bounced
+        '{"transfer": "t_9", "status": "reversed"}',
         "INFO:Slither:contracts/Token.sol analyzed (2 contracts with 93 detectors), 3 result(s) found",  # an analyzer's findings
         "cp: cannot create regular file 'a.conf': Read-only file system",
         "x509: certificate signed by unknown authority",  # TLS
@@ -573,6 +576,7 @@ def test_failure_cues_by_kind_of_tool_output():
         "$ cppcheck --error-exitcode=1 src/\nChecking src/osc.c ...\n1/1 files checked 100% done",
         "$ grep -n 'FAILED' runs.log | head -2\n14: run 7 FAILED\n31: run 9 FAILED",
         'HTTP/1.1 200 OK\n{"stats": {"totalNoError": 812, "totalNXDomain": 3}}',  # a DNS server's count of NOERROR answers
+        "Submission status: Accepted\nRejected records: 0",  # a zero count of rejected records
         "[saving current Lisp image into app:\nwriting 0 bytes from the read-only space at 0x50000000\ndone]",  # SBCL
     ]
     for text in successes:
@@ -635,6 +639,9 @@ def test_tool_output_that_reports_no_outcome_yet_is_zero():
         "AIDE found NO differences between database and filesystem. Looks okay!!",  # a check that passed
         "  App\\Jobs\\SendReceipt ........ RUNNING\n  App\\Jobs\\SendReceipt ........ 0.81s DONE",  # a log of states that ends done
         "INFO:Slither:contracts/Token.sol analyzed (2 contracts with 46 detectors), 0 result(s) found",
+        '{"requestId": "LV-7", "state": "Submitted"}',  # a form handed in, a talk accepted: outcomes
+        '{"title": "Small Tools", "status": "Accepted", "slot": "Day 1"}',
+        "$ npx tsc --noEmit\n$ echo $?\n0",  # a checker that prints nothing and exits 0 has passed
         '{"id": 81, "status": "paid", "items": [{"sku": "A1"}]}',
     ]
     for text in outcomes:

@@ -84,7 +84,7 @@ _OPENING = re.compile(r"^\W*[^\W\d_][^\s\d,.!?;:]*(?:\s+[^\s\d,.!?;:]+){0,2}\s*[
 # approves the answer as it stands: 8 labelled approvals, where "do it again", "do it in inches"
 # and "keep it under 40 characters" ask for a change.
 _PLACING = re.compile(
-    r"(?i:(?:put|pin|post|stick|pop|add|drop) (?:it|them|this|that)(?: all)?(?: up| live)?(?: (?:on|in|into|onto|to) (?:the|my|our|his|her|their)\b|\W*$)"
+    r"(?i:(?:put|pin|post|stick|pop|add|drop) (?:it|them|this|that|all of (?:it|them)|the lot|everything)(?: all)?(?: up| live)?(?: (?:on|in|into|onto|to) (?:the|my|our|his|her|their)\b|\W*$)"
     r"|(?:put|pin|stick|pop|add|save) (?:(?:the|that|this) \w+(?: \w+)? )?(?:on|in|into|onto|to) (?:my|our) (?:calendar|diary|planner|notes"
     r"|basket|cart|trolley|wishlist|favourites|bookmarks)\b"
     r"|add to (?:the |my |our )?(?:basket|cart|trolley|calendar|diary|wishlist)\b|sign (?:me|us) up\b|(?:do|keep) it(?=\s*(?:[.!,;]|$)))"
@@ -101,7 +101,7 @@ _COMPARATIVES_OF_EDITS = (
 # but useful, thanks", "more forms than I'd hoped but fine"): all 16 such labelled messages are thanks.
 _CONCEDING = re.compile(
     r"(?i:\W+(?:\w+\W+)?(?:cheers|thanks|thank you|thx|ta|fine|ok|okay|worth it|good to know|that helps|helpful"
-    r"|makes sense|fair enough|great|love it|perfect|nice|clear now)\b)"
+    r"|makes sense|fair enough|great|love it|perfect|nice|clear now|useful)\b)"
 )
 # A comparative with "than" after it compares; it asks for nothing ("more forms than I'd hoped",
 # "way less painful than my spreadsheet"): the 4 such labelled messages are thanks and approvals.
@@ -262,7 +262,7 @@ _NEW_QUESTION = re.compile(
 )
 _REFERS_BACK = re.compile(
     r"(?i:\b(?:that|this|it|its|it's|those|these|they|them|one|ones|you|your|yours|so|yeah|right\?|per|each|instead|again"
-    r"|other|another|else|new|different|wait|hang on|hmm|or|though)\b)"
+    r"|other|another|else|new|different|wait|hang on|hmm|or|though|there(?=\W*$))\b)"
 )
 
 
