@@ -428,6 +428,13 @@ def test_a_user_edit_cue_keeps_plus_one_away_unless_the_classifier_is_sure():
     assert embed_judge.decide(fairly_sure, "great, now make it handle empty lists", "user") == (1, None)
     # but a closing "too" may add to the answer as well as move on: the strict guard
     assert embed_judge.decide(fairly_sure, "sweet. can you add a gluten-free option too?", "user")[0] != 1
+    # ... and after opening praise, the praise guard, as for any request after it
+    assert embed_judge.decide({1: 0.9, -1: 0.09, 0: 0.01}, "nice. log the request ids too", "user")[0] != 1
+    assert embed_judge.decide({1: 0.96, -1: 0.03, 0: 0.01}, "nice. log the request ids too", "user")[0] == 1
+    # a closing "though" that asks nothing and thanks for nothing: never +1
+    assert cues.closing_contrast("spot on. store it properly though") == "though"
+    assert cues.closing_contrast("thanks though") is None and cues.closing_contrast("is it safe though?") is None
+    assert embed_judge.decide({1: 0.97, -1: 0.02, 0: 0.01}, "spot on. store it properly though", "user")[0] != 1
     # one that does not: the strict guard (0.85), for an edit word and for a clause-opening edit verb alike
     assert embed_judge.decide(fairly_sure, "thanks, but no rush on the rest", "user") == (-1, "but")
     assert embed_judge.decide(fairly_sure, "love it, just drop the RSVP line", "user") == (-1, "drop")
@@ -623,6 +630,7 @@ def test_tool_output_that_reports_no_outcome_yet_is_zero():
         "# A tibble: 0 × 3\n# ℹ 3 variables: shop <chr>, qty <dbl>, net <dbl>",  # an empty data frame
         '{"@odata.context": "https://graph.example/$metadata#messages", "value": []}',
         "$ ./train.sh > train.log 2>&1 &\n[1] 50112",  # sent to the background: a job number and a pid
+        "$ grep -c OutOfMemoryError logs/app.log\n0",  # a count of matches that is zero
     ]
     for text in pending + empty:
         assert tool_cues.tool_no_verdict(text) is not None, text

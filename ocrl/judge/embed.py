@@ -145,7 +145,7 @@ def decide(
     ("perfetto, solo togli ...": `softened_request`), a request for the answer again, and a
     verdict with an edit word before moving on ("No formatting please. Moving on: ...", or a
     contrast the message closes on: "great, now put sunday as the cleaning day not saturday",
-    `closing_contrast`) are never +1; and no user message is +1 below `positive_floor`, cue or none, but a new question of the
+    "spot on. dispose of it properly though", `closing_contrast`) are never +1; and no user message is +1 below `positive_floor`, cue or none, but a new question of the
     user's own (`new_question`), which is +1 from `question_floor` unless a correction leads.
     Chosen by 5-fold cross-validation on the fit cases, first for a linear head over frozen embeddings
     (on 2,576 cases a single 0.7 guard on `edit_cue` alone scored 0.920 with 10 corrections at
@@ -170,9 +170,10 @@ def decide(
         before, on = (next_state, None) if redo else verdict_part(next_state)
         edit, verb = edit_cue(next_state), None if on else imperative_cue(next_state)
         softened = None if on else softened_request(next_state)
-        cue = edit or redo or verb
+        closing = closing_contrast(next_state)
+        cue = edit or redo or verb or closing
         # moving on relaxes the guard only for edit words in the new request, not in the verdict before it
-        relaxed = on is not None and edit_cue(before) is None and closing_contrast(next_state) is None
+        relaxed = on is not None and edit_cue(before) is None and closing is None
         # a new question of its own moves on, unless a correction leads (an edit word after the
         # sign of moving on is the new request's: "and how do I ... without blocking")
         if (cue is None or relaxed) and probs[1] >= max(question_floor, probs[-1]) and new_question(next_state) is not None:
@@ -183,9 +184,13 @@ def decide(
             or softened is not None
             or redo is not None
             or (on is not None and not relaxed)
+            or closing is not None
         )
-        # a closing "too" moves on or adds to the answer ("can you add a veggie filling too?"): the strict guard
-        limit = edit_guard if relaxed and on.strip().lower() != "too" else (float("inf") if never else praise_guard if praised else strict_guard)
+        # a closing "too" moves on or adds to the answer ("can you add a veggie filling too?"): the
+        # strict guard, or the praise guard after opening praise, as for any request after it
+        adding = relaxed and on.strip().lower() == "too"
+        praised = praised or (adding and praise_opening(next_state) is not None)
+        limit = edit_guard if relaxed and not adding else (float("inf") if never else praise_guard if praised else strict_guard)
         rule = cue if cue is not None and probs[1] < limit else None
         if rule is None and probs[1] < positive_floor:
             rule = f"p(+1) < {positive_floor}"

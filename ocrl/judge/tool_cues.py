@@ -178,6 +178,8 @@ _NO_VERDICT_CUES = (
     # empty output: nothing at all, an empty stdout, a command echoed with only its exit status 0 after it
     r"^\s*(?:\[\s*\]|\{\s*\}|null|\(no (?:stdout|output)\))\s*$|(?:^|\s)\[\s*\]\s*$|(?m:^\W*empty list\W*$)",
     r"\A\$ [^\n]*\n\$ echo [^\n]*\n?\s*(?:exit=)?0\s*\Z|(?i:\"?stdout\"?\s*:\s*(?:\"\"|\n|\s+\"?stderr))",
+    # a search that counts its matches and found none ("$ grep -c ERROR app.log", then "0")
+    r"\A\$ (?:grep|egrep|rg|zgrep)\b[^\n]*\s-\w*c\b[^\n]*\n\s*0\s*\Z",
     # a command sent to the background, with only its job number and process id after it
     r"\A\$ [^\n]*&\s*\n\[\d+\] \d+\s*\Z",
     # an empty data frame (R's tibble), a job not waited for or waiting until a time
