@@ -472,13 +472,14 @@ def test_shipped_fit_data_and_held_out_cases_are_valid_and_disjoint():
     kinds = {"tool_ok", "tool_error", "tool_neutral", "thanks", "approval", "next_task", "correction", "redo", "change_request",
              "complaint", "off_topic", "ambiguous"}
     assert kinds <= {case.kind for case in fit}
-    # the fifth (spent, a regression floor) and the twenty-first to twenty-seventh held-out sets, each
+    # the fifth (spent, a regression floor) and the twenty-first to twenty-eighth held-out sets, each
     # written blind and committed before any judge was scored on it: disjoint from the fit data,
     # the reported cases and each other
     seen = fit_states | reported_states
     for name, size in (("judge_heldout_5.jsonl", 290), ("judge_heldout_21.jsonl", 320), ("judge_heldout_22.jsonl", 320),
                        ("judge_heldout_23.jsonl", 320), ("judge_heldout_24.jsonl", 320),
-                       ("judge_heldout_25.jsonl", 320), ("judge_heldout_26.jsonl", 320), ("judge_heldout_27.jsonl", 320)):
+                       ("judge_heldout_25.jsonl", 320), ("judge_heldout_26.jsonl", 320), ("judge_heldout_27.jsonl", 320),
+                       ("judge_heldout_28.jsonl", 320)):
         blind = load_cases(DATA / name)
         assert len(blind) >= size
         for case in blind:
