@@ -472,14 +472,14 @@ def test_shipped_fit_data_and_held_out_cases_are_valid_and_disjoint():
     kinds = {"tool_ok", "tool_error", "tool_neutral", "thanks", "approval", "next_task", "correction", "redo", "change_request",
              "complaint", "off_topic", "ambiguous"}
     assert kinds <= {case.kind for case in fit}
-    # the fifth (spent, a regression floor) and the twenty-first to twenty-eighth held-out sets, each
+    # the fifth (spent, a regression floor) and the twenty-first to twenty-ninth held-out sets, each
     # written blind and committed before any judge was scored on it: disjoint from the fit data,
     # the reported cases and each other
     seen = fit_states | reported_states
     for name, size in (("judge_heldout_5.jsonl", 290), ("judge_heldout_21.jsonl", 320), ("judge_heldout_22.jsonl", 320),
                        ("judge_heldout_23.jsonl", 320), ("judge_heldout_24.jsonl", 320),
                        ("judge_heldout_25.jsonl", 320), ("judge_heldout_26.jsonl", 320), ("judge_heldout_27.jsonl", 320),
-                       ("judge_heldout_28.jsonl", 320)):
+                       ("judge_heldout_28.jsonl", 320), ("judge_heldout_29.jsonl", 320)):
         blind = load_cases(DATA / name)
         assert len(blind) >= size
         for case in blind:
@@ -684,7 +684,12 @@ async def test_blind_held_out_accuracy_floor(judge):
     # The sets before it, each scored once by the candidate it was written for: the twentieth
     # 0.905 with 3 (twenty-third), the nineteenth 0.908 with 2 (twenty-second), the eighteenth
     # 0.889 with 3 (twenty-first), the seventeenth 0.908 with 4 (twentieth). The bar is
-    # 0.92 with none; the floor guards against a regression, it is not the target.
+    # 0.92 with none; the floor guards against a regression, it is not the target. The sets after
+    # it, each scored once blind by the candidate it was written for (then spent as dev sets):
+    # the twenty-second 0.908 with 1, twenty-third 0.908 with 1, twenty-fourth 0.920 with 3,
+    # twenty-fifth 0.886 with 2, twenty-sixth 0.911 with 3, twenty-seventh 0.905 with 2,
+    # twenty-eighth 0.889 with 4, twenty-ninth 0.917 with 4 (what ships); what ships reads this
+    # one 304/325 = 0.935 with none.
     assert report["accuracy"] >= 0.91, report["misses"]
     assert report["confusion"][-1][1] <= 1, report["misses"]
 
