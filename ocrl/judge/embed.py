@@ -145,8 +145,9 @@ def decide(
     ("perfetto, solo togli ...": `softened_request`), a request for the answer again, and a
     verdict with an edit word before moving on ("No formatting please. Moving on: ...", or a
     contrast the message closes on: "great, now put sunday as the cleaning day not saturday",
-    "spot on. dispose of it properly though", `closing_contrast`) are never +1; and no user message is +1 below `positive_floor`, cue or none, but a new question of the
-    user's own (`new_question`), which is +1 from `question_floor` unless a correction leads.
+    "spot on. dispose of it properly though", `closing_contrast`) are never +1; and no user
+    message is +1 below `positive_floor`, cue or none, but a new question of the user's own
+    (`new_question`), which is +1 from `question_floor` unless a correction leads.
     Chosen by 5-fold cross-validation on the fit cases, first for a linear head over frozen embeddings
     (on 2,576 cases a single 0.7 guard on `edit_cue` alone scored 0.920 with 10 corrections at
     +1, the two guards with the redo cue 0.920 with 5), then kept for the fine-tuned classifier:

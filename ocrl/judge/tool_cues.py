@@ -152,11 +152,15 @@ _FOUND_NOUNS = (
     r"results?|matches|hits|entries|items|records|events|contacts|messages|conversations|documents|snapshots|tasks|tickets"
     r"|orders|bookings|appointments|flights|emails|notes|posts|users|objects|jobs|containers|pods"
 )
+# a command that checks and prints nothing when all is well: linters, formatters in check mode, type checkers
+_CHECKER = r"(?i:--check\b|--lint\w*|--noEmit\b|\b(?:lint|\w+lint|shellcheck|mypy|ruff|flake8|clippy|tsc|vet|validate|verify)\b)"
 _NO_VERDICT_CUES = (
     # a job's state that is no outcome yet: a status field, a sentence, a column in capitals
     rf"(?i:\"?(?:status|state|phase|stage|job_?status|job_?state|\w+_status|\w+Status)\"?\s*[:=]\s*\"?(?:{_PENDING})\b)",
     rf"(?i:\b(?:status|state)\s*[:=]?\s+(?:is\s+)?(?:{_PENDING})\b)",
-    r"(?i:\bis (?:now )?(?:pending|queued|running|processing|in progress|scheduled)\b)|\bin progress\b|\bIN_PROGRESS\b|\bRUNNING\b|\bPENDING\b|\bQUEUED\b",
+    r"(?i:\bis (?:now )?(?:pending|queued|running|processing|in progress|scheduled)\b)|\bin progress\b"
+    # a state in capitals, unless a later line of the log reads it done ("... RUNNING", then "... DONE")
+    r"|\b(?:IN_PROGRESS|RUNNING|PENDING|QUEUED)\b(?![\s\S]*\b(?:DONE|SUCCESS|SUCCEEDED|COMPLETED|FINISHED|PASSED)\b)",
     r"(?i:\"\w*(?:running|pending|processing|queued|in_?progress)\"\s*:\s*true\b)",
     r"(?i:\b(?:has been|was|been) (?:queued|scheduled|submitted|accepted|received)\b|\brequest accepted\b"
     r"|\bis being (?:created|provisioned|processed|deployed|built|prepared|uploaded|sent|restored|migrated|generated|indexed|imported|exported)\b|\bstill (?:creating|running|waiting|processing|building|pending|in progress)\b)",
@@ -177,7 +181,8 @@ _NO_VERDICT_CUES = (
     r"(?i:\bno (?:\w+ ){0,3}match(?:es)? your search\b|^\W*(?:\$ [^\n]*\n)?no (?:matches|results)\b|\bno resources found\b)",
     # empty output: nothing at all, an empty stdout, a command echoed with only its exit status 0 after it
     r"^\s*(?:\[\s*\]|\{\s*\}|null|\(no (?:stdout|output)\))\s*$|(?:^|\s)\[\s*\]\s*$|(?m:^\W*empty list\W*$)",
-    r"\A\$ [^\n]*\n\$ echo [^\n]*\n?\s*(?:exit=)?0\s*\Z|(?i:\"?stdout\"?\s*:\s*(?:\"\"|\n|\s+\"?stderr))",
+    # (not a checker's: one that prints nothing and exits 0 has passed, "$ cargo fmt --check")
+    rf"\A\$ (?![^\n]*{_CHECKER})[^\n]*\n\$ echo [^\n]*\n?\s*(?:exit=)?0\s*\Z|(?i:\"?stdout\"?\s*:\s*(?:\"\"|\n|\s+\"?stderr))",
     # a search that counts its matches and found none ("$ grep -c ERROR app.log", then "0")
     r"\A\$ (?:grep|egrep|rg|zgrep)\b[^\n]*\s-\w*c\b[^\n]*\n\s*0\s*\Z",
     # a command sent to the background, with only its job number and process id after it
@@ -195,11 +200,6 @@ _PROGRESS = re.compile(
 _DONE = re.compile(r"\b100\s?%")
 
 
-# a command that checks and prints nothing when all is well: linters, formatters in check mode, type checkers
-_CHECKER = re.compile(r"(?i:--check\b|--lint\w*|--noEmit\b|\b(?:lint|\w+lint|shellcheck|mypy|ruff|flake8|clippy|tsc|vet|validate|verify)\b)")
-# a job's state in capitals, and the states after it that say it has finished
-_STATES = frozenset(("RUNNING", "PENDING", "QUEUED", "IN_PROGRESS"))
-_FINISHED = re.compile(r"\b(?:DONE|SUCCESS|SUCCEEDED|COMPLETED|FINISHED|PASSED)\b")
 # a static analyzer that found nothing has passed: no empty result
 _ANALYZER_PASSED = re.compile(r"(?i:\banalyzed\b[^\n]{0,120}?\b0 results?(?:\(s\))? found)")
 
@@ -209,13 +209,8 @@ def tool_no_verdict(text: str) -> str | None:
     running or in progress (`"status": "pending"`, HTTP 202, "Job queued", "Backing up: 41%"), or
     a search or list that ran and found nothing (`"items": []`, "X-Total-Count: 0", "No results
     found", an empty stdout). Such output is neither success nor failure: `decide` scores it 0."""
-    for match in _NO_VERDICT.finditer(text):
-        if _ANALYZER_PASSED.search(text) is not None:
-            break
-        if match.group(0) in _STATES and _FINISHED.search(text, match.end()) is not None:
-            continue  # a state in a log of states that later reads done ("... RUNNING", then "... DONE")
-        if match.group(0).lstrip().startswith("$") and _CHECKER.search(match.group(0).split("\n", 1)[0]):
-            continue  # a checker that prints nothing and exits 0 has passed ("$ cargo fmt --check", "$ echo $?", "0")
+    match = None if _ANALYZER_PASSED.search(text) else _NO_VERDICT.search(text)
+    if match is not None:
         return " ".join(match.group(0).split())  # one line, as the vote's text is
     percent = _PERCENT.search(text)
     if percent is not None and _PROGRESS.search(text) and not _DONE.search(text):
