@@ -380,7 +380,8 @@ def test_putting_the_answer_somewhere_acts_on_it_and_a_comparative_asks_for_a_ch
 def test_a_user_message_is_plus_one_only_above_the_positive_floor():
     hesitant = {1: 0.55, -1: 0.30, 0: 0.15}  # +1 leads, but weakly
     assert embed_judge.decide(hesitant, "ரொம்ப நீளமா இருக்கு", "user") == (-1, "p(+1) < 0.6")
-    assert embed_judge.decide(hesitant, "ரொம்ப நீளமா இருக்கு", "user", positive_floor=0.5) == (1, None)
+    assert embed_judge.decide(hesitant, "ta, grand", "user", positive_floor=0.5) == (1, None)
+    assert embed_judge.decide(hesitant, "ரொம்ப நீளமா இருக்கு", "user", positive_floor=0.5)[0] == -1  # a script it cannot read
     assert embed_judge.decide(hesitant, "Upload complete", "tool") == (1, None)  # tool output has its failure cues instead
     assert embed_judge.decide({1: 0.62, -1: 0.3, 0: 0.08}, "thanks!", "user") == (1, None)
 
@@ -409,6 +410,32 @@ def test_a_new_question_of_the_users_own_moves_on():
     assert cues.closing_contrast(closing) == "not friday" and cues.closing_contrast("firm but not cold, thanks") is None
     assert embed_judge.decide({1: 0.93, -1: 0.06, 0: 0.01}, closing, "user")[0] != 1
     assert embed_judge.decide({1: 0.93, -1: 0.06, 0: 0.01}, "great, now make a packing list for the gym", "user")[0] == 1
+
+
+def test_a_message_that_waves_the_answer_away_is_never_plus_one():
+    certain = {1: 0.97, -1: 0.02, 0: 0.01}
+    for text, word in [("meh. rebuild it from the ground up", "meh"), ("Nah, do the intro over", "Nah"), ("nope", "nope")]:
+        assert cues.dismissive_opening(text) == word, text
+        assert embed_judge.decide(certain, text, "user")[0] == -1, text
+    assert embed_judge.decide(certain, "meh. ok I guess", "user") == (-1, "meh")
+    # one that thanks, and a word that only starts like one, wave nothing away
+    for text in ["nah that's perfect, thanks", "nahuatl has no word for it?", "great, meh bits are gone"]:
+        assert cues.dismissive_opening(text) is None, text
+    assert embed_judge.decide(certain, "nah that's perfect, thanks", "user") == (1, None)
+
+
+def test_a_message_in_a_script_the_encoder_cannot_read_is_plus_one_only_when_the_committee_is_sure():
+    for text, script in [("अरे नईं, झाँसी सें ओरछा तो आधौ घंटा कौ रस्ता है", "DEVANAGARI"), ("なんか違うばい。最初から考え直してくれんね", "HIRAGANA"),
+                         ("아이다, 1003번은 감천 안 간다", "HANGUL")]:
+        assert cues.unread_script(text) == script, text
+    # Latin script (any language), a few foreign words in a Latin message, a question: left to the committee
+    for text in ["ta, grand", "merci, c'est parfait", "thanks! 謝謝", "多謝。古城個門票著買無？", "..."]:
+        assert cues.unread_script(text) is None, text
+    hindi = "नाहीं भइया, ऊ गाड़ी सबेरे छह बजे छूटत है"
+    assert embed_judge.decide({1: 0.8, -1: 0.15, 0: 0.05}, hindi, "user") == (-1, "devanagari script, p(+1) < 0.85")
+    assert embed_judge.decide({1: 0.9, -1: 0.08, 0: 0.02}, hindi, "user") == (1, None)  # sure
+    assert embed_judge.decide({1: 0.8, -1: 0.15, 0: 0.05}, "danke, passt so", "user") == (1, None)  # Latin script
+    assert embed_judge.decide({1: 0.8, -1: 0.15, 0: 0.05}, hindi, "tool") == (1, None)  # tool output: its own cues
 
 
 def test_a_softened_request_after_an_opening_is_never_plus_one():

@@ -2,7 +2,8 @@
 embed.py) reads beside the classifier: a message that asks for an edit of the previous answer
 (`edit_cue`, `imperative_cue`, `softened_request`) or for it again (`redo_cue`), that opens with
 thanks or praise (`praise_opening`), moves on to a new request (`verdict_part`, `moves_on`) or
-asks a new question of its own (`new_question`); and emoji spelt out as words for the encoder
+asks a new question of its own (`new_question`), waves the answer away (`dismissive_opening`) or is
+written in a script the encoder cannot read (`unread_script`); and emoji spelt out as words for the encoder
 (`spell_emoji`). Each returns the matched text (or the rewritten text) and knows nothing of the
 classifier, its fit or the rule. The cues in tool output are in tool_cues.py.
 """
@@ -342,6 +343,38 @@ def verdict_part(text: str) -> tuple[str, str | None]:
         return text, None
     first = min(matches, key=lambda match: match.start(1))
     return text[: first.start(1)], first.group(1)
+
+
+# A message that opens by waving the answer away ("meh.", "nah", "nope"): on the labelled cases all
+# 73 user messages that open so are corrections, redo requests or complaints ("meh. rebuild it from
+# the ground up"); one that thanks is not waved away ("nah, that's fine, thanks").
+_DISMISSIVE = re.compile(r"(?i:^\W*(meh|bleh|nah|nope|naw)\b)")
+
+
+def dismissive_opening(text: str) -> str | None:
+    """The word a user's message opens with that waves the answer away ("meh", "nah"), or None;
+    none in a message that thanks."""
+    match = _DISMISSIVE.match(text)
+    return match.group(1) if match and _THANKS.search(text) is None else None
+
+
+# A message that closes on a question: in a script the encoder cannot read, what asks is most
+# often a next task ("多謝。古城個門票著買無？"), which `unread_script` leaves to the committee.
+_CLOSING_QUESTION = re.compile(r"[?？؟;]\W*$")
+
+
+def unread_script(text: str) -> str | None:
+    """The script of a user's message written mostly (over half its letters) in a script other
+    than Latin ("DEVANAGARI", "CJK", "HANGUL", ...), or None; None too for one that closes on a
+    question. The encoder reads English (its uncased vocabulary drops the vowel signs of
+    Devanagari, and has few CJK or Hangul pieces), so a reading of such a message is a guess;
+    `decide` rewards it only when the committee is sure."""
+    letters = [char for char in text if char.isalpha()]
+    scripts = [unicodedata.name(char, "?").split()[0] for char in letters]
+    foreign = [script for script in scripts if script != "LATIN"]
+    if not letters or len(foreign) * 2 <= len(letters) or _CLOSING_QUESTION.search(text):
+        return None
+    return max(set(foreign), key=foreign.count)
 
 
 _EMOJI_RANGES = ((0x2600, 0x27BF), (0x2B00, 0x2BFF), (0x1F000, 0x1FAFF))  # symbols, dingbats, emoji blocks

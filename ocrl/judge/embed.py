@@ -18,7 +18,18 @@ import anyio
 from ocrl.judge.cases import Case, evaluate, format_report, load_cases, tally
 from ocrl.judge.classifier import FIT_DATA, LABELS, FitSettings, Item, item_of, labels_to_index
 from ocrl.judge.committee import MEMBERS, Committee, load_committee, new_member
-from ocrl.judge.cues import closing_contrast, edit_cue, imperative_cue, new_question, praise_opening, redo_cue, softened_request, verdict_part
+from ocrl.judge.cues import (
+    closing_contrast,
+    dismissive_opening,
+    edit_cue,
+    imperative_cue,
+    new_question,
+    praise_opening,
+    redo_cue,
+    softened_request,
+    unread_script,
+    verdict_part,
+)
 from ocrl.judge.ngrams import NGramSettings
 from ocrl.judge.tool_cues import tool_failure, tool_no_verdict
 from ocrl.judge.votes import timed_verdict
@@ -147,7 +158,13 @@ def decide(
     contrast the message closes on: "great, now put sunday as the cleaning day not saturday",
     "spot on. dispose of it properly though", `closing_contrast`) are never +1; and no user
     message is +1 below `positive_floor`, cue or none, but a new question of the user's own
-    (`new_question`), which is +1 from `question_floor` unless a correction leads.
+    (`new_question`), which is +1 from `question_floor` unless a correction leads. A message that
+    opens by waving the answer away ("meh. rebuild it ...": `dismissive_opening`) is never +1, and
+    one written mostly in a script the encoder cannot read (`unread_script`: Devanagari, CJK,
+    Hangul, ...) is +1 only from `strict_guard`: on the committee's probabilities over the
+    seventeen spent blind sets not in the fit data (12, 14-29; 5,525 cases) the two take the
+    corrections at +1 from 16 to 8 (the guard: 6 corrections and 4 neutral messages righted, 5
+    thanks, approvals and next tasks lost), on the fit data they change nothing.
     Chosen by 5-fold cross-validation on the fit cases, first for a linear head over frozen embeddings
     (on 2,576 cases a single 0.7 guard on `edit_cue` alone scored 0.920 with 10 corrections at
     +1, the two guards with the redo cue 0.920 with 5), then kept for the fine-tuned classifier:
@@ -171,8 +188,8 @@ def decide(
         before, on = (next_state, None) if redo else verdict_part(next_state)
         edit, verb = edit_cue(next_state), None if on else imperative_cue(next_state)
         softened = None if on else softened_request(next_state)
-        closing = closing_contrast(next_state)
-        cue = edit or redo or verb or closing
+        closing, dismissive = closing_contrast(next_state), dismissive_opening(next_state)
+        cue = edit or redo or verb or closing or dismissive
         # moving on relaxes the guard only for edit words in the new request, not in the verdict before it
         relaxed = on is not None and edit_cue(before) is None and closing is None
         # a new question of its own moves on, unless a correction leads (an edit word after the
@@ -186,6 +203,7 @@ def decide(
             or redo is not None
             or (on is not None and not relaxed)
             or closing is not None
+            or dismissive is not None
         )
         # a closing "too" moves on or adds to the answer ("can you add a veggie filling too?"): the
         # strict guard, or the praise guard after opening praise, as for any request after it
@@ -195,6 +213,9 @@ def decide(
         rule = cue if cue is not None and probs[1] < limit else None
         if rule is None and probs[1] < positive_floor:
             rule = f"p(+1) < {positive_floor}"
+        script = None if rule is not None else unread_script(next_state)
+        if script is not None and probs[1] < strict_guard:
+            rule = f"{script.lower()} script, p(+1) < {strict_guard}"
     ranked = sorted(LABELS, key=probs.__getitem__, reverse=True)
     if rule is not None and ranked[0] == 1:
         ranked.remove(1)
