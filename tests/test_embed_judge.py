@@ -429,7 +429,7 @@ def test_a_message_in_a_script_the_encoder_cannot_read_is_plus_one_only_when_the
                          ("아이다, 1003번은 감천 안 간다", "HANGUL")]:
         assert cues.unread_script(text) == script, text
     # Latin script (any language), a few foreign words in a Latin message, a question: left to the committee
-    for text in ["ta, grand", "merci, c'est parfait", "thanks! 謝謝", "多謝。古城個門票著買無？", "..."]:
+    for text in ["ta, grand", "merci, c'est parfait", "thanks! 謝謝", "多謝。古城個門票著買無？", "ほうなん、よう分かったけん！ありがとね〜", "..."]:
         assert cues.unread_script(text) is None, text
     hindi = "नाहीं भइया, ऊ गाड़ी सबेरे छह बजे छूटत है"
     assert embed_judge.decide({1: 0.8, -1: 0.15, 0: 0.05}, hindi, "user") == (-1, "devanagari script, p(+1) < 0.85")
@@ -659,6 +659,7 @@ def test_tool_output_that_reports_no_outcome_yet_is_zero():
         '{"@odata.context": "https://graph.example/$metadata#messages", "value": []}',
         "$ ./train.sh > train.log 2>&1 &\n[1] 50112",  # sent to the background: a job number and a pid
         "$ grep -c OutOfMemoryError logs/app.log\n0",  # a count of matches that is zero
+        'Your job 881204 ("align_s12") has been submitted',  # a job handed to a queue waits
     ]
     for text in pending + empty:
         assert tool_cues.tool_no_verdict(text) is not None, text
@@ -677,6 +678,7 @@ def test_tool_output_that_reports_no_outcome_yet_is_zero():
         "INFO:Slither:contracts/Token.sol analyzed (2 contracts with 46 detectors), 0 result(s) found",
         '{"requestId": "LV-7", "state": "Submitted"}',  # a form handed in, a talk accepted: outcomes
         '{"title": "Small Tools", "status": "Accepted", "slot": "Day 1"}',
+        "Thank you. Your request has been submitted.\nReference: ASC-2025-118402",  # a form handed in
         "$ npx tsc --noEmit\n$ echo $?\n0",  # a checker that prints nothing and exits 0 has passed
         '{"id": 81, "status": "paid", "items": [{"sku": "A1"}]}',
     ]

@@ -359,20 +359,21 @@ def dismissive_opening(text: str) -> str | None:
 
 
 # A message that closes on a question: in a script the encoder cannot read, what asks is most
-# often a next task ("多謝。古城個門票著買無？"), which `unread_script` leaves to the committee.
+# often a next task ("多謝。古城個門票著買無？"), which `unread_script` leaves to the committee, as
+# it does one that thanks.
 _CLOSING_QUESTION = re.compile(r"[?？؟;]\W*$")
 
 
 def unread_script(text: str) -> str | None:
     """The script of a user's message written mostly (over half its letters) in a script other
     than Latin ("DEVANAGARI", "CJK", "HANGUL", ...), or None; None too for one that closes on a
-    question. The encoder reads English (its uncased vocabulary drops the vowel signs of
+    question or thanks ("だんだん、ありがとね〜"). The encoder reads English (its uncased vocabulary drops the vowel signs of
     Devanagari, and has few CJK or Hangul pieces), so a reading of such a message is a guess;
     `decide` rewards it only when the committee is sure."""
     letters = [char for char in text if char.isalpha()]
     scripts = [unicodedata.name(char, "?").split()[0] for char in letters]
     foreign = [script for script in scripts if script != "LATIN"]
-    if not letters or len(foreign) * 2 <= len(letters) or _CLOSING_QUESTION.search(text):
+    if not letters or len(foreign) * 2 <= len(letters) or _CLOSING_QUESTION.search(text) or _THANKS.search(text):
         return None
     return max(set(foreign), key=foreign.count)
 

@@ -202,6 +202,9 @@ _DONE = re.compile(r"\b100\s?%")
 
 # a static analyzer that found nothing has passed: no empty result
 _ANALYZER_PASSED = re.compile(r"(?i:\banalyzed\b[^\n]{0,120}?\b0 results?(?:\(s\))? found)")
+# a form handed in ("Thank you. Your request has been submitted. Reference: ..."): the action is
+# done, as the spent twenty-ninth and thirtieth sets label it; a job submitted to a queue waits
+_HANDED_IN = re.compile(r"(?i:\byour (?:\w+ )?(?:request|form|application|claim|enquiry|report) has been submitted\b)")
 
 
 def tool_no_verdict(text: str) -> str | None:
@@ -209,7 +212,7 @@ def tool_no_verdict(text: str) -> str | None:
     running or in progress (`"status": "pending"`, HTTP 202, "Job queued", "Backing up: 41%"), or
     a search or list that ran and found nothing (`"items": []`, "X-Total-Count: 0", "No results
     found", an empty stdout). Such output is neither success nor failure: `decide` scores it 0."""
-    match = None if _ANALYZER_PASSED.search(text) else _NO_VERDICT.search(text)
+    match = None if _ANALYZER_PASSED.search(text) or _HANDED_IN.search(text) else _NO_VERDICT.search(text)
     if match is not None:
         return " ".join(match.group(0).split())  # one line, as the vote's text is
     percent = _PERCENT.search(text)
