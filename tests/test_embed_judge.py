@@ -438,6 +438,21 @@ def test_a_message_in_a_script_the_encoder_cannot_read_is_plus_one_only_when_the
     assert embed_judge.decide({1: 0.8, -1: 0.15, 0: 0.05}, hindi, "tool") == (1, None)  # tool output: its own cues
 
 
+def test_a_question_after_thanks_moves_on_in_any_language():
+    for text, word in [("Tack så mytji! Hur långt ä dä ti gå längs Siljan fre Tällberg då?", "Hur"),
+                       ("listo, gracias mi niño. ¿y qué guagua cojo pa subir al Teide desde La Laguna?", "qué"),
+                       ("danke dir! Und wie kumm i dann von Krems nach Dürnstein?", "wie"), ("谢谢！那去机场怎么走？", "怎么")]:
+        assert cues.thanked_question(text) == word, text
+    # a request to the assistant, a question about the answer, no thanks, no question: none
+    for text in ["thanks! could you add a line about parking?", "thanks! what about the other one?",
+                 "hur långt är det till Tällberg?", "tack! hur långt det är, det visste jag inte"]:
+        assert cues.thanked_question(text) is None, text
+    hesitant = {1: 0.33, -1: 0.56, 0: 0.11}  # the committee reads a dialect it has not seen
+    assert embed_judge.decide(hesitant, "tack ska du ha! hur lång tid tar däm te å gå opp på Åreskutan då?", "user") == (1, None)
+    assert embed_judge.decide(hesitant, "tack, men hur kan det vara två timmar?", "user")[0] != 1  # a contrast leads
+    assert embed_judge.decide({1: 0.01, -1: 0.5, 0: 0.49}, "Tack så mytji! Hur långt ä dä?", "user")[0] != 1  # below the floor
+
+
 def test_a_softened_request_after_an_opening_is_never_plus_one():
     certain = {1: 0.97, -1: 0.02, 0: 0.01}
     assert embed_judge.decide(certain, "מקסים! רק תוסיף שצריך להביא גרביים", "user") == (-1, "רק")

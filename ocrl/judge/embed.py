@@ -27,6 +27,7 @@ from ocrl.judge.cues import (
     praise_opening,
     redo_cue,
     softened_request,
+    thanked_question,
     unread_script,
     verdict_part,
 )
@@ -195,6 +196,9 @@ def decide(
         # a new question of its own moves on, unless a correction leads (an edit word after the
         # sign of moving on is the new request's: "and how do I ... without blocking")
         if (cue is None or relaxed) and probs[1] >= max(question_floor, probs[-1]) and new_question(next_state) is not None:
+            return 1, None
+        # so does a question after thanks, in any language, whatever the committee's hesitation
+        if cue is None and dismissive is None and probs[1] >= question_floor and thanked_question(next_state) is not None:
             return 1, None
         praised = verb is not None and edit is None and praise_opening(next_state) is not None
         never = (
