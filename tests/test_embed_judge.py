@@ -675,6 +675,11 @@ def test_tool_output_that_reports_no_outcome_yet_is_zero():
         "$ ./train.sh > train.log 2>&1 &\n[1] 50112",  # sent to the background: a job number and a pid
         "$ grep -c OutOfMemoryError logs/app.log\n0",  # a count of matches that is zero
         'Your job 881204 ("align_s12") has been submitted',  # a job handed to a queue waits
+        "Pipeline #2231 is running (stage 2 of 4: test)",
+        "Return RMA-22071\nItem received: yes\nRefund: pending (5-7 working days)",  # any field still waiting
+        '{"case_ref": "CV-30418", "searches": {"local_authority": "requested"}}',
+        "Claims history for D. Okafor (2021-2026)\n0 claims found",
+        "shape: (0, 4)\n┌──────────┬──────┐\n│ order_id ┆ shop │",  # an empty polars frame
     ]
     for text in pending + empty:
         assert tool_cues.tool_no_verdict(text) is not None, text
@@ -694,6 +699,10 @@ def test_tool_output_that_reports_no_outcome_yet_is_zero():
         '{"requestId": "LV-7", "state": "Submitted"}',  # a form handed in, a talk accepted: outcomes
         '{"title": "Small Tools", "status": "Accepted", "slot": "Day 1"}',
         "Thank you. Your request has been submitted.\nReference: ASC-2025-118402",  # a form handed in
+        "$ espanso restart\nespanso started correctly!\n$ espanso status\nespanso is running",  # a service that runs has started
+        "4 sources checked\n\n0 problems found",  # a checker's pass
+        "shape: (3, 3)\n┌────────┬─────────┐\n│ region ┆ orders  │",
+        "remote: Processing changes: refs: 1, new: 1, done",
         "$ npx tsc --noEmit\n$ echo $?\n0",  # a checker that prints nothing and exits 0 has passed
         '{"id": 81, "status": "paid", "items": [{"sku": "A1"}]}',
     ]

@@ -158,10 +158,15 @@ _NO_VERDICT_CUES = (
     # a job's state that is no outcome yet: a status field, a sentence, a column in capitals
     rf"(?i:\"?(?:status|state|phase|stage|job_?status|job_?state|\w+_status|\w+Status)\"?\s*[:=]\s*\"?(?:{_PENDING})\b)",
     rf"(?i:\b(?:status|state)\s*[:=]?\s+(?:is\s+)?(?:{_PENDING})\b)",
-    r"(?i:\bis (?:now )?(?:pending|queued|running|processing|in progress|scheduled)\b)|\bin progress\b"
+    r"(?i:\bis (?:now )?(?:pending|queued|processing|in progress|scheduled)\b)|\bin progress\b"
+    # a job that is running (a service that is running has started: "Horizon is running.")
+    r"|(?i:\b(?:job|pipeline|build|task|run|operation|export|import|backup|migration|deployment|workflow|sync|scan|query|process|upload|download)\b"
+    r"[^\n.]{0,40}?\bis (?:now |still )?running\b)"
     # a state in capitals, unless a later line of the log reads it done ("... RUNNING", then "... DONE")
     r"|\b(?:IN_PROGRESS|RUNNING|PENDING|QUEUED)\b(?![\s\S]*\b(?:DONE|SUCCESS|SUCCEEDED|COMPLETED|FINISHED|PASSED)\b)",
     r"(?i:\"\w*(?:running|pending|processing|queued|in_?progress)\"\s*:\s*true\b)",
+    # any field of a job or request still waiting ("Refund: pending (5-7 working days)", "drainage_water": "requested")
+    r"(?im:^\s*[a-z][\w ]{0,30}:\s*(?:pending|queued|awaiting)\b)|(?i:\"\w+\"\s*:\s*\"(?:pending|queued|requested|in_progress|awaiting\w*)\")",
     r"(?i:\b(?:has been|was|been) (?:queued|scheduled|submitted|accepted|received)\b|\brequest accepted\b"
     r"|\bis being (?:created|provisioned|processed|deployed|built|prepared|uploaded|sent|restored|migrated|generated|indexed|imported|exported)\b|\bstill (?:creating|running|waiting|processing|building|pending|in progress)\b)",
     # a job handed over: accepted (HTTP 202), queued, scheduled, started or triggered
@@ -175,6 +180,9 @@ _NO_VERDICT_CUES = (
     r"(?i:\bx-[\w-]*total[\w-]*:\s*0\b|\bcontent-range:\s*\*/0\b|\"count\"\s*:\s*\"0\")",
     r"(?i:\b0 (?:results?|matches|hits|items|records|conversations|messages|contacts|entries|documents|events|objects)\b"
     r"|\b0 of \d+ \w+ shown\b|\b0 rows in set\b|\(0 rows\))",
+    # "0 claims found", "0 users matched": but a checker's "0 problems found" has passed
+    r"(?i:\b0 (?!(?:errors?|problems?|issues?|warnings?|vulnerabilit\w*|differences?|discrepanc\w*|conflicts?|failures?|violations?"
+    r"|defects?|bugs?|leaks?|alerts?|findings?|threats?|infections?|malware|viruses)\b)[a-z]+ (?:found|matched)\b)",
     rf"(?i:\bno (?:\w+ ){{0,2}}?(?:{_FOUND_NOUNS})(?: \w+){{0,2}}? (?:found|matched|match|matching|available|yet)\b"
     r"|\bfound no (?!issues|problems|errors|warnings|vulnerabilit|differences|discrepancies)|\bnothing (?:on (?:your|the)\b|found|to show|matched|scheduled)"
     r"|\bempty set\b|\bis empty\b|\(empty[\w ]*\)|\bno new \w+|^\s*no (?:results|matches|hits|entries|items|records|events)\b)",
@@ -187,8 +195,8 @@ _NO_VERDICT_CUES = (
     r"\A\$ (?:grep|egrep|rg|zgrep)\b[^\n]*\s-\w*c\b[^\n]*\n\s*0\s*\Z",
     # a command sent to the background, with only its job number and process id after it
     r"\A\$ [^\n]*&\s*\n\[\d+\] \d+\s*\Z",
-    # an empty data frame (R's tibble), a job not waited for or waiting until a time
-    r"(?i:\bA tibble: 0 [×x]|\bnot waiting for (?:it|them|the \w+) to (?:finish|complete)\b|\bwaiting until\b)",
+    # an empty data frame (R's tibble, a polars frame), a job not waited for or waiting until a time
+    r"(?i:\bA tibble: 0 [×x]|\bshape: \(0, \d+\)|\bnot waiting for (?:it|them|the \w+) to (?:finish|complete)\b|\bwaiting until\b)",
 )
 _NO_VERDICT = re.compile("|".join(f"(?:{cue})" for cue in _NO_VERDICT_CUES))
 # progress short of done: a percentage under 100 next to a word or a bar of progress
