@@ -453,6 +453,18 @@ def test_a_question_after_thanks_moves_on_in_any_language():
     assert embed_judge.decide({1: 0.01, -1: 0.5, 0: 0.49}, "Tack så mytji! Hur långt ä dä?", "user")[0] != 1  # below the floor
 
 
+def test_an_order_to_send_the_answer_on_in_another_language_approves_it():
+    for text, word in [("زين، أرسلها للشوفير اليوم", "أرسل"), ("ekdum jhakaas bhidu, driver ko abhi bhej de", "bhej de"),
+                       ("órale, así está chido. mándaselo al guía ya", "mándaselo")]:
+        assert cues.sends_it(text) == word, text
+    # a word of negation, or no order to send: none
+    for text in ["لا ترسلها الحين", "no lo mandes todavía, mándalo mañana", "driver ko mat bhej do", "está chido"]:
+        assert cues.sends_it(text) is None, text
+    hesitant = {1: 0.09, -1: 0.5, 0: 0.41}  # the committee reads the dialect poorly
+    assert embed_judge.decide(hesitant, "زين، أرسلها للشوفير اليوم", "user") == (1, None)
+    assert embed_judge.decide(hesitant, "mándaselo, pero cambia la hora", "user")[0] != 1  # a contrast: a change request
+
+
 def test_a_softened_request_after_an_opening_is_never_plus_one():
     certain = {1: 0.97, -1: 0.02, 0: 0.01}
     assert embed_judge.decide(certain, "מקסים! רק תוסיף שצריך להביא גרביים", "user") == (-1, "רק")

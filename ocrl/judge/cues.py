@@ -92,6 +92,26 @@ _PLACING = re.compile(
 )
 
 
+# An order to send the answer on, in the languages where the committee reads an approval poorly
+# ("زين، أرسلها للشوفير اليوم", "driver ko abhi bhej de", "mándaselo al guía ya"): it acts on the
+# answer as it stands, as "send it" does in English (which the committee reads surely). A word of
+# negation keeps it off ("لا ترسلها", "no lo mandes todavía", "mat bhejo").
+_SENDS_IT = re.compile(
+    r"(?i:(?<!\w)(?:m[aá]nd(?:a|ale|alo|ala|aselo|asela|amelo)|env[ií]a(?:lo|la|selo|sela|-o|-a)?|manda-(?:o|a|lhe)|invia(?:lo|la|glielo)"
+    r"|envoie(?:z)?-(?:le|la|lui|les)|schick(?:'s|s| es| sie| ihn| das)|verstuur|stuur (?:het|maar|door)|wyślij|pošli|gönder"
+    r"|отправь(?:те)?|відправ|bhej (?:de|do|dijiye|dena)|pathai de|manda e)(?!\w))"
+    r"|ابعت|ابعث|أرسل|ارسل|طرش|رسّل|رسله|رسلها|भेज दो|भेज दे|भेज दीजिए|পাঠিয়ে দা|পাঠিয়ে দে"
+)
+_NEGATION_ELSEWHERE = re.compile(r"(?i:(?<!\w)(?:no|não|non|nicht|nie|не|ні|mat|na|nahi|nahin|لا|ما|مش|مو|मत|नहीं|না)(?!\w))")
+
+
+def sends_it(text: str) -> str | None:
+    """The order to send the answer on in a user's message in another language ("أرسلها",
+    "bhej de", "mándaselo"), or None; none with a word of negation."""
+    match = _SENDS_IT.search(text)
+    return match.group(0) if match and _NEGATION_ELSEWHERE.search(text) is None else None
+
+
 _LAST_WORD = re.compile(r"\w+\W*$")
 # comparatives, which ask for the answer to change when they open a clause ("bigger date, smaller logos")
 _COMPARATIVES_OF_EDITS = (

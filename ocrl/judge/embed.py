@@ -26,6 +26,7 @@ from ocrl.judge.cues import (
     new_question,
     praise_opening,
     redo_cue,
+    sends_it,
     softened_request,
     thanked_question,
     unread_script,
@@ -197,8 +198,9 @@ def decide(
         # sign of moving on is the new request's: "and how do I ... without blocking")
         if (cue is None or relaxed) and probs[1] >= max(question_floor, probs[-1]) and new_question(next_state) is not None:
             return 1, None
-        # so does a question after thanks, in any language, whatever the committee's hesitation
-        if cue is None and dismissive is None and probs[1] >= question_floor and thanked_question(next_state) is not None:
+        # so does a question after thanks, in any language, whatever the committee's hesitation, and
+        # an order to send the answer on acts on it
+        if cue is None and dismissive is None and probs[1] >= question_floor and (thanked_question(next_state) or sends_it(next_state)):
             return 1, None
         praised = verb is not None and edit is None and praise_opening(next_state) is not None
         never = (
