@@ -582,6 +582,8 @@ def test_failure_cues_by_kind_of_tool_output():
         "67% tests passed, 1 tests failed out of 3",  # counts of failures that are not zero
         "==4821== ERROR SUMMARY: 3 errors from 3 contexts",
         "Errors 2",
+        "Merged 4 branches\nConflicts: 2",  # a count of conflicts that is not zero
+        "3 expired certificates in the bundle",  # expired things that nothing removed
         "would reformat src/app.py\n\nOh no! 💥 💔 💥\n1 file would be reformatted, 3 files would be left unchanged.",  # black --check
         "State : clean, degraded",  # a RAID array (mdadm) or a service's health with a member down
         "rtlsdr: no supported devices found.\nexit=1",  # a shell's exit status as the agent echoes it
@@ -639,6 +641,8 @@ def test_failure_cues_by_kind_of_tool_output():
         "$ grep -n 'FAILED' runs.log | head -2\n14: run 7 FAILED\n31: run 9 FAILED",
         'HTTP/1.1 200 OK\n{"stats": {"totalNoError": 812, "totalNXDomain": 3}}',  # a DNS server's count of NOERROR answers
         "Submission status: Accepted\nRejected records: 0",  # a zero count of rejected records
+        'Created 3 recurring events in "Personal":\n- Walk 20 min daily 12:30-12:50\nConflicts: 0',  # a zero count of conflicts
+        " [OK] Purged 1284 expired sessions (0 errors).",  # what a clean-up removed
         "[saving current Lisp image into app:\nwriting 0 bytes from the read-only space at 0x50000000\ndone]",  # SBCL
     ]
     for text in successes:

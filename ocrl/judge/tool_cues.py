@@ -101,12 +101,16 @@ def tool_failure(text: str) -> str | None:
         word = match.group(0).strip().lower()
         if word.isalpha() and any(word.startswith(term) for term in searched):
             continue
+        if _REMOVED_BEFORE.search(text[max(0, match.start() - 40) : match.start()]):
+            continue
         if not _zero_count(text, match):
             return " ".join(match.group(0).split())  # one line: "$ echo $?\n1" -> "$ echo $? 1"
     return None
 
 
-_COUNTED = re.compile(r"(?i:errors|failed|failures?|fails?|rejected)")
+# what a clean-up removed is no failure of it: "Purged 1284 expired sessions", "removed 3 failed jobs"
+_REMOVED_BEFORE = re.compile(r"(?i:\b(?:purged|removed|deleted|cleaned up|cleared|pruned|evicted|archived) [\d,]+ $)")
+_COUNTED = re.compile(r"(?i:errors|failed|failures?|fails?|rejected|conflicts?)")
 _ZERO_AFTER = re.compile(r"(?i:\s*(?:summary|count|total|[a-z]+(?=\s*[:=|]))?(?:\W{0,4}|[\s:.]{5,80})\s*(?:0|\[\]|\{\}|none|null|no (?:\w+ ){0,2}(?:errors?|failures?)\b)(?![\w.%]|,\d))")
 _ZERO_BEFORE = re.compile(r"(?i:\b(?:0|no) (?:[a-z]+ ){1,2}$)")
 _SUMMARY_HEAD = re.compile(r"(?i:\s+(?:summary|count|total)\b)")
