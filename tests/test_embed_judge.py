@@ -526,14 +526,15 @@ def test_shipped_fit_data_and_held_out_cases_are_valid_and_disjoint():
     kinds = {"tool_ok", "tool_error", "tool_neutral", "thanks", "approval", "next_task", "correction", "redo", "change_request",
              "complaint", "off_topic", "ambiguous"}
     assert kinds <= {case.kind for case in fit}
-    # the fifth (spent, a regression floor) and the twenty-first to twenty-ninth held-out sets, each
+    # the fifth (spent, a regression floor) and the twenty-first to thirty-first held-out sets, each
     # written blind and committed before any judge was scored on it: disjoint from the fit data,
     # the reported cases and each other
     seen = fit_states | reported_states
     for name, size in (("judge_heldout_5.jsonl", 290), ("judge_heldout_21.jsonl", 320), ("judge_heldout_22.jsonl", 320),
                        ("judge_heldout_23.jsonl", 320), ("judge_heldout_24.jsonl", 320),
                        ("judge_heldout_25.jsonl", 320), ("judge_heldout_26.jsonl", 320), ("judge_heldout_27.jsonl", 320),
-                       ("judge_heldout_28.jsonl", 320), ("judge_heldout_29.jsonl", 320)):
+                       ("judge_heldout_28.jsonl", 320), ("judge_heldout_29.jsonl", 320), ("judge_heldout_30.jsonl", 320),
+                       ("judge_heldout_31.jsonl", 320)):
         blind = load_cases(DATA / name)
         assert len(blind) >= size
         for case in blind:
@@ -741,6 +742,21 @@ def judge():
     return EmbedJudge.load()
 
 
+async def test_blind_held_out_set_meets_the_bar(judge):
+    # The thirty-first held-out set, the README's figure: written blind by a helper that saw
+    # neither the judge code nor any other set's cases, committed before any judge was scored on
+    # it, and scored once by what ships (the thirty-fifth candidate: the twentieth's committee;
+    # the cues of the spent thirtieth set: a message that waves the answer away, one in a script
+    # the encoder cannot read, a question after thanks and an order to send the answer on in
+    # other languages): 311/325 = 0.957 with no correction, redo or error at +1, the bar.
+    # The set reads higher for every candidate: the thirty-third (what shipped before) 309/325
+    # with 1 at +1 (a correction in Dogri), on the same probabilities. The thirtieth, scored once
+    # by the thirty-fourth: 298/325 = 0.917 with none.
+    report = await evaluate(judge, load_cases(DATA / "judge_heldout_31.jsonl"))
+    assert report["accuracy"] >= 0.92, report["misses"]
+    assert report["confusion"][-1][1] == 0, report["misses"]
+
+
 async def test_blind_held_out_accuracy_floor(judge):
     cases = load_cases(DATA / "judge_heldout_21.jsonl")
     report = await evaluate(judge, cases)
@@ -757,8 +773,8 @@ async def test_blind_held_out_accuracy_floor(judge):
     # it, each scored once blind by the candidate it was written for (then spent as dev sets):
     # the twenty-second 0.908 with 1, twenty-third 0.908 with 1, twenty-fourth 0.920 with 3,
     # twenty-fifth 0.886 with 2, twenty-sixth 0.911 with 3, twenty-seventh 0.905 with 2,
-    # twenty-eighth 0.889 with 4, twenty-ninth 0.917 with 4 (what ships); what ships reads this
-    # one 304/325 = 0.935 with none.
+    # twenty-eighth 0.889 with 4, twenty-ninth 0.917 with 4, thirtieth 0.917 with none,
+    # thirty-first 0.957 with none (what ships); what ships reads this one 303/325 = 0.932 with none.
     assert report["accuracy"] >= 0.91, report["misses"]
     assert report["confusion"][-1][1] <= 1, report["misses"]
 
