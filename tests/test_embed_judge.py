@@ -443,6 +443,7 @@ def test_a_question_after_thanks_moves_on_in_any_language():
                        ("listo, gracias mi niño. ¿y qué guagua cojo pa subir al Teide desde La Laguna?", "qué"),
                        ("danke dir! Und wie kumm i dann von Krems nach Dürnstein?", "wie"), ("谢谢！那去机场怎么走？", "怎么")]:
         assert cues.thanked_question(text) == word, text
+    assert cues.thanked_question("arretado, visse! valeu. e lá em Jericoacoara, onde é bom pra ver o pôr do sol?") == "onde"
     # a request to the assistant, a question about the answer, no thanks, no question: none
     for text in ["thanks! could you add a line about parking?", "thanks! what about the other one?",
                  "hur långt är det till Tällberg?", "tack! hur långt det är, det visste jag inte"]:
@@ -457,12 +458,28 @@ def test_an_order_to_send_the_answer_on_in_another_language_approves_it():
     for text, word in [("زين، أرسلها للشوفير اليوم", "أرسل"), ("ekdum jhakaas bhidu, driver ko abhi bhej de", "bhej de"),
                        ("órale, así está chido. mándaselo al guía ya", "mándaselo")]:
         assert cues.sends_it(text) == word, text
+    assert cues.sends_it("ٺيڪ آهي، هي نياپو ڊرائيور ڏانهن موڪلي ڇڏيو") == "موڪلي"  # Sindhi
     # a word of negation, or no order to send: none
     for text in ["لا ترسلها الحين", "no lo mandes todavía, mándalo mañana", "driver ko mat bhej do", "está chido"]:
         assert cues.sends_it(text) is None, text
     hesitant = {1: 0.09, -1: 0.5, 0: 0.41}  # the committee reads the dialect poorly
     assert embed_judge.decide(hesitant, "زين، أرسلها للشوفير اليوم", "user") == (1, None)
     assert embed_judge.decide(hesitant, "mándaselo, pero cambia la hora", "user")[0] != 1  # a contrast: a change request
+
+
+def test_a_change_to_the_layout_of_the_answer_is_never_plus_one():
+    for text, clause in [("cool, show the high score under the score", "show the high score under"),
+                         ("stick a checkbox next to each one", "stick a checkbox next to"),
+                         ("thanks, add my licence number at the top", "add my licence number at the top")]:
+        assert cues.placement_edit(text) == clause, text
+        assert embed_judge.decide({1: 0.99, -1: 0.01, 0: 0.0}, text, "user")[0] != 1, text
+    # a question about how to place something moves on; "show me" asks for something new
+    assert embed_judge.decide({1: 0.99, -1: 0.01, 0: 0.0}, "great. how do i add a shadow under the model", "user") == (1, None)
+    assert cues.imperative_cue("love this. show the date seen under each name") == "show"
+    assert cues.imperative_cue("ok, show me how to export it") is None
+    # a bare "do it"/"keep that", with an emoji after it, approves the answer as it stands
+    assert cues.edit_cue("🔥🔥 yes, keep that") is None and cues.edit_cue("do it 👍 report them to the housing team") is None
+    assert cues.edit_cue("keep that under 40 characters") is not None
 
 
 def test_a_softened_request_after_an_opening_is_never_plus_one():
@@ -697,6 +714,8 @@ def test_tool_output_that_reports_no_outcome_yet_is_zero():
         '{"case_ref": "CV-30418", "searches": {"local_authority": "requested"}}',
         "Claims history for D. Okafor (2021-2026)\n0 claims found",
         "shape: (0, 4)\n┌──────────┬──────┐\n│ order_id ┆ shop │",  # an empty polars frame
+        'Case EO-2024-118307: status "Awaiting supplier response".',
+        "Reference PH/24/06612: allocated to an officer. Inspection date: not yet arranged.",
     ]
     for text in pending + empty:
         assert tool_cues.tool_no_verdict(text) is not None, text

@@ -2,7 +2,7 @@
 embed.py) reads beside the classifier: a message that asks for an edit of the previous answer
 (`edit_cue`, `imperative_cue`, `softened_request`) or for it again (`redo_cue`), that opens with
 thanks or praise (`praise_opening`), moves on to a new request (`verdict_part`, `moves_on`) or
-asks a new question of its own (`new_question`, `thanked_question`), waves the answer away (`dismissive_opening`) or is
+asks a new question of its own (`new_question`, `thanked_question`), waves the answer away (`dismissive_opening`), changes its layout (`placement_edit`) or is
 written in a script the encoder cannot read (`unread_script`); and emoji spelt out as words for the encoder
 (`spell_emoji`). Each returns the matched text (or the rewritten text) and knows nothing of the
 classifier, its fit or the rule. The cues in tool output are in tool_cues.py.
@@ -81,14 +81,14 @@ _OPENING = re.compile(r"^\W*[^\W\d_][^\s\d,.!?;:]*(?:\s+[^\s\d,.!?;:]+){0,2}\s*[
 # verb. On the labelled cases 29 such messages are approvals or next tasks and one is a change
 # request ("put it in the order we'd ..."); the three with no object ("add to basket", "sign me
 # up") are approvals, as are the 8 that name a calendar, notes or a basket to put a thing in
-# ("put the deadline in my calendar"). A bare "do it" or "keep it" (nothing after it in its clause)
-# approves the answer as it stands: 8 labelled approvals, where "do it again", "do it in inches"
-# and "keep it under 40 characters" ask for a change.
+# ("put the deadline in my calendar"). A bare "do it" or "keep it"/"keep that" (nothing after it
+# in its clause but an emoji) approves the answer as it stands: 10 labelled approvals, where "do
+# it again", "do it in inches" and "keep it under 40 characters" ask for a change.
 _PLACING = re.compile(
     r"(?i:(?:put|pin|post|stick|pop|add|drop) (?:it|them|this|that|all of (?:it|them)|the lot|everything)(?: all)?(?: up| live)?(?: (?:on|in|into|onto|to) (?:the|my|our|his|her|their)\b|\W*$)"
     r"|(?:put|pin|stick|pop|add|save) (?:(?:the|that|this) \w+(?: \w+)? )?(?:on|in|into|onto|to) (?:my|our) (?:calendar|diary|planner|notes"
     r"|basket|cart|trolley|wishlist|favourites|bookmarks)\b"
-    r"|add to (?:the |my |our )?(?:basket|cart|trolley|calendar|diary|wishlist)\b|sign (?:me|us) up\b|(?:do|keep) it(?=\s*(?:[.!,;]|$)))"
+    r"|add to (?:the |my |our )?(?:basket|cart|trolley|calendar|diary|wishlist)\b|sign (?:me|us) up\b|(?:do|keep) (?:it|that|this)(?=\s*(?:[.!,;]|[^\w\s'\"(]|$)))"
 )
 
 
@@ -100,7 +100,7 @@ _SENDS_IT = re.compile(
     r"(?i:(?<!\w)(?:m[aá]nd(?:a|ale|alo|ala|aselo|asela|amelo)|env[ií]a(?:lo|la|selo|sela|-o|-a)?|manda-(?:o|a|lhe)|invia(?:lo|la|glielo)"
     r"|envoie(?:z)?-(?:le|la|lui|les)|schick(?:'s|s| es| sie| ihn| das)|verstuur|stuur (?:het|maar|door)|wyślij|pošli|gönder"
     r"|отправь(?:те)?|відправ|bhej (?:de|do|dijiye|dena)|pathai de|manda e)(?!\w))"
-    r"|ابعت|ابعث|أرسل|ارسل|طرش|رسّل|رسله|رسلها|भेज दो|भेज दे|भेज दीजिए|পাঠিয়ে দা|পাঠিয়ে দে"
+    r"|ابعت|ابعث|أرسل|ارسل|طرش|رسّل|رسله|رسلها|بھیج دو|بھیج دیں|موڪلي|भेज दो|भेज दे|भेज दीजिए|পাঠিয়ে দা|পাঠিয়ে দে"
 )
 _NEGATION_ELSEWHERE = re.compile(r"(?i:(?<!\w)(?:no|não|non|nicht|nie|не|ні|mat|na|nahi|nahin|لا|ما|مش|مو|मत|नहीं|না)(?!\w))")
 
@@ -167,7 +167,8 @@ def edit_cue(text: str) -> str | None:
 # A clause that opens with a verb of editing a text or a plan, bare or after a softener ("sign it
 # from both of us", "love it, just drop the last line", "could you cc Ana"): how people ask for a
 # change without any word of contrast. Also how they ask for a new task ("write the intro"), so
-# it counts only in a message with no sign of moving on (`moves_on`).
+# it counts only in a message with no sign of moving on (`moves_on`). "Show" is one ("show the date
+# under each name": all 6 labelled such clauses ask for a change), but not "show me ...", a new ask.
 _EDIT_VERBS = (
     "add remove drop delete cut trim shorten lengthen expand condense make use sign address cc bcc order sort start begin end "
     "put move swap switch change replace rename include mention say keep recheck check double-check fix redo rewrite rephrase "
@@ -180,7 +181,7 @@ _EDIT_VERBS = (
 ).split() + _COMPARATIVES_OF_EDITS
 _IMPERATIVE = re.compile(
     r"(?i:(?:^|[,.!;:\u2014\u2013-]\s*|\b(?:just|maybe|perhaps|pls|please|plz|and|but|then|(?:could|can|would|will) (?:you|u))\s+)"
-    r"(?:" + "|".join(re.escape(verb) for verb in _EDIT_VERBS) + r")\b"
+    r"(?:" + "|".join(re.escape(verb) for verb in _EDIT_VERBS) + r"|show(?!\s+(?:me|us)\b))\b"
     r"|\b(?:could|can|would|will|should) (?:it|you|u|we) (?:be|have|rhyme|sound|read|say|include|mention|use|go|start|end)\b"
     # a request form that opens a clause, or a closing "please" in the commonest languages
     r"|(?:^|[,.!;:\u2014\u2013-]\s*)(?:(?:can|could|would|will) (?:you|u)|pls|plz|please)\b"
@@ -235,7 +236,7 @@ _REDO_ELSEWHERE = _any_of(
 )
 # thanks, in the languages of both lists (stems where words inflect: "감사합니다", "dziękuję")
 _THANKS = _any_of(
-    "thanks|thank you|thx|ty|tysm|cheers|gracias|danke|merci|grazie|obrigado|obrigada|bedankt|dankie|dank je|tak|tack|takk|dzięki"
+    "thanks|thank you|thx|ty|tysm|cheers|gracias|danke|merci|grazie|obrigado|obrigada|valeu|brigado|brigada|bedankt|dankie|dank je|tak|tack|takk|dzięki"
     "|díky|hvala|kiitos|köszi|mulțumesc|mersi|sağ ol|sağol|ευχαριστώ|спасибо|дякую|благодаря|хвала|рахмет|баярлалаа|paldies"
     "|ačiū|aitäh|tänan|gràcies|salamat|asante|ngiyabonga|enkosi|diolch|grazzi|eskerrik asko|faleminderit|rahmat|makasih"
     "|terima kasih|cảm ơn|תודה|شكرا|شكراً|ممنون|مرسی|شکریہ|धन्यवाद|शुक्रिया|ধন্যবাদ|நன்றி|ధన్యవాదాలు|ಧನ್ಯವಾದ|നന്ദി|ස්තුතියි"
@@ -327,6 +328,23 @@ def thanked_question(text: str) -> str | None:
         return None
     match = _QUESTION_WORDS.search(text, thanks.end())
     return match.group(0) if match else None
+
+
+# A clause that places something of the answer beside another ("show the high score under the
+# score", "stick a checkbox next to each one", "add my licence number at the top"): a change to its
+# layout. On the labelled cases 39 of the 41 such messages are change requests; the two next tasks
+# ("add paging buttons underneath") read as -1 either way.
+_PLACEMENT = re.compile(
+    r"(?i:(?:^|[,.!;:]\s*|\b(?:just|pls|please|and|then|(?:can|could|would) (?:you|u))\s+)(?:show|put|move|add|stick|place|display|pop)\b"
+    r"[^.!?\n]{1,40}?\b(?:under|underneath|below|above|next to|beside|on top of|at the top|at the bottom|(?:top|bottom) (?:left|right))\b)"
+)
+
+
+def placement_edit(text: str) -> str | None:
+    """The clause of a user's message that moves or adds something of the answer to a place in its
+    layout ("show the date seen under each name"), or None."""
+    match = _PLACEMENT.search(text)
+    return match.group(0).strip(" ,.!;:") if match else None
 
 
 def praise_opening(text: str) -> str | None:

@@ -24,6 +24,7 @@ from ocrl.judge.cues import (
     edit_cue,
     imperative_cue,
     new_question,
+    placement_edit,
     praise_opening,
     redo_cue,
     sends_it,
@@ -191,7 +192,8 @@ def decide(
         edit, verb = edit_cue(next_state), None if on else imperative_cue(next_state)
         softened = None if on else softened_request(next_state)
         closing, dismissive = closing_contrast(next_state), dismissive_opening(next_state)
-        cue = edit or redo or verb or closing or dismissive
+        placed = None if on else placement_edit(next_state)
+        cue = edit or redo or verb or closing or dismissive or placed
         # moving on relaxes the guard only for edit words in the new request, not in the verdict before it
         relaxed = on is not None and edit_cue(before) is None and closing is None
         # a new question of its own moves on, unless a correction leads (an edit word after the
@@ -210,6 +212,7 @@ def decide(
             or (on is not None and not relaxed)
             or closing is not None
             or dismissive is not None
+            or placed is not None
         )
         # a closing "too" moves on or adds to the answer ("can you add a veggie filling too?"): the
         # strict guard, or the praise guard after opening praise, as for any request after it

@@ -161,7 +161,7 @@ _CHECKER = r"(?i:--check\b|--lint\w*|--noEmit\b|\b(?:lint|\w+lint|shellcheck|myp
 _NO_VERDICT_CUES = (
     # a job's state that is no outcome yet: a status field, a sentence, a column in capitals
     rf"(?i:\"?(?:status|state|phase|stage|job_?status|job_?state|\w+_status|\w+Status)\"?\s*[:=]\s*\"?(?:{_PENDING})\b)",
-    rf"(?i:\b(?:status|state)\s*[:=]?\s+(?:is\s+)?(?:{_PENDING})\b)",
+    rf"(?i:\b(?:status|state)\s*[:=]?\s+(?:is\s+)?[\"']?(?:{_PENDING})\b)",
     r"(?i:\bis (?:now )?(?:pending|queued|processing|in progress|scheduled)\b)|\bin progress\b"
     # a job that is running (a service that is running has started: "Horizon is running.")
     r"|(?i:\b(?:job|pipeline|build|task|run|operation|export|import|backup|migration|deployment|workflow|sync|scan|query|process|upload|download)\b"
@@ -170,7 +170,7 @@ _NO_VERDICT_CUES = (
     r"|\b(?:IN_PROGRESS|RUNNING|PENDING|QUEUED)\b(?![\s\S]*\b(?:DONE|SUCCESS|SUCCEEDED|COMPLETED|FINISHED|PASSED)\b)",
     r"(?i:\"\w*(?:running|pending|processing|queued|in_?progress)\"\s*:\s*true\b)",
     # any field of a job or request still waiting ("Refund: pending (5-7 working days)", "drainage_water": "requested")
-    r"(?im:^\s*[a-z][\w ]{0,30}:\s*(?:pending|queued|awaiting)\b)|(?i:\"\w+\"\s*:\s*\"(?:pending|queued|requested|in_progress|awaiting\w*)\")",
+    r"(?im:(?:^\s*|[.;]\s+)[a-z][\w ]{0,30}:\s*(?:pending|queued|awaiting|not yet (?:available|arranged|scheduled|assigned|booked|confirmed|known|decided)))|(?i:\"\w+\"\s*:\s*\"(?:pending|queued|requested|in_progress|awaiting\w*)\")",
     r"(?i:\b(?:has been|was|been) (?:queued|scheduled|submitted|accepted|received)\b|\brequest accepted\b"
     r"|\bis being (?:created|provisioned|processed|deployed|built|prepared|uploaded|sent|restored|migrated|generated|indexed|imported|exported)\b|\bstill (?:creating|running|waiting|processing|building|pending|in progress)\b)",
     # a job handed over: accepted (HTTP 202), queued, scheduled, started or triggered
