@@ -306,7 +306,10 @@ _QUESTION_WORDS = re.compile(
     r"|paano|kailan|nasıl|nerede|hangi|kifech|kifach|كيف|شلون|وين|أين|متى|كم|چطور|کجا|چند|कैसे|कहाँ|कब|क्या|कितना|कितने)(?!\w))"
     r"|怎么|怎樣|怎样|哪|几|幾|什么|甚麼|多少|どう|どこ|いつ|何|いくら|어떻게|어디|언제|몇|뭐|무엇"
 )
-_CLOSING_ASK = re.compile(r"[?？؟]\W*$")
+# A message that closes on a question (Latin, fullwidth, Arabic, Greek marks): in a script the
+# encoder cannot read, what asks is most often a next task ("多謝。古城個門票著買無？"), which
+# `unread_script` leaves to the committee, as it does one that thanks
+_CLOSING_QUESTION = re.compile(r"[?？؟;]\W*$")
 _ASKS_YOU = re.compile(r"(?i:\b(?:can|could|would|will) (?:you|u)\b)")
 # "but" in the languages `_CONTRAST` leaves it out of, as a common word elsewhere (Scandinavian
 # "men", Italian "ma", Bosnian "ali", Lithuanian "bet"): after thanks, a question with one objects
@@ -322,7 +325,7 @@ def thanked_question(text: str) -> str | None:
     the rule before it missed is a next task; the committee, reading the words of a dialect it
     has not seen, hesitates (p(+1) 0.19-0.54)."""
     thanks = _THANKS.search(text)
-    if thanks is None or thanks.start() > 40 or not _CLOSING_ASK.search(text) or _ASKS_YOU.search(text) or _REFERS_BACK.search(text):
+    if thanks is None or thanks.start() > 40 or not _CLOSING_QUESTION.search(text) or _ASKS_YOU.search(text) or _REFERS_BACK.search(text):
         return None
     if _BUT_ELSEWHERE.search(text):
         return None
@@ -429,10 +432,6 @@ def dismissive_opening(text: str) -> str | None:
     return match.group(1) if match and _THANKS.search(text) is None else None
 
 
-# A message that closes on a question: in a script the encoder cannot read, what asks is most
-# often a next task ("多謝。古城個門票著買無？"), which `unread_script` leaves to the committee, as
-# it does one that thanks.
-_CLOSING_QUESTION = re.compile(r"[?？؟;]\W*$")
 
 
 def unread_script(text: str) -> str | None:
