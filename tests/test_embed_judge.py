@@ -422,6 +422,10 @@ def test_a_message_that_waves_the_answer_away_is_never_plus_one():
     for text in ["nah that's perfect, thanks", "nahuatl has no word for it?", "great, meh bits are gone"]:
         assert cues.dismissive_opening(text) is None, text
     assert embed_judge.decide(certain, "nah that's perfect, thanks", "user") == (1, None)
+    # nor is one that closes on "come on"; a light that should come on at sunset asks for a task
+    assert cues.exasperated_close("20 warnings and 3 steps, come on") == "come on"
+    assert embed_judge.decide(certain, "20 warnings and 3 steps, come on", "user")[0] != 1
+    assert cues.exasperated_close("now make the porch light come on at sunset every day") is None
 
 
 def test_a_message_in_a_script_the_encoder_cannot_read_is_plus_one_only_when_the_committee_is_sure():
@@ -429,7 +433,8 @@ def test_a_message_in_a_script_the_encoder_cannot_read_is_plus_one_only_when_the
                          ("아이다, 1003번은 감천 안 간다", "HANGUL")]:
         assert cues.unread_script(text) == script, text
     # Latin script (any language), a few foreign words in a Latin message, a question: left to the committee
-    for text in ["ta, grand", "merci, c'est parfait", "thanks! 謝謝", "多謝。古城個門票著買無？", "ほうなん、よう分かったけん！ありがとね〜", "..."]:
+    for text in ["ta, grand", "merci, c'est parfait", "thanks! 謝謝", "多謝。古城個門票著買無？", "ほうなん、よう分かったけん！ありがとね〜",
+                 "오케이 땡큐. 춘천에서 닭갈비 핫플 좀 추천해 줘", "..."]:
         assert cues.unread_script(text) is None, text
     hindi = "नाहीं भइया, ऊ गाड़ी सबेरे छह बजे छूटत है"
     assert embed_judge.decide({1: 0.8, -1: 0.15, 0: 0.05}, hindi, "user") == (-1, "devanagari script, p(+1) < 0.85")
@@ -601,6 +606,7 @@ def test_failure_cues_by_kind_of_tool_output():
         "==4821== ERROR SUMMARY: 3 errors from 3 contexts",
         "Errors 2",
         "Merged 4 branches\nConflicts: 2",  # a count of conflicts that is not zero
+        '{"order": "HF-10447", "lines": [{"item": "Saddle hackle", "status": "cancelled", "reason": "out_of_stock"}]}',
         "3 expired certificates in the bundle",  # expired things that nothing removed
         "would reformat src/app.py\n\nOh no! 💥 💔 💥\n1 file would be reformatted, 3 files would be left unchanged.",  # black --check
         "State : clean, degraded",  # a RAID array (mdadm) or a service's health with a member down
@@ -660,6 +666,8 @@ def test_failure_cues_by_kind_of_tool_output():
         'HTTP/1.1 200 OK\n{"stats": {"totalNoError": 812, "totalNXDomain": 3}}',  # a DNS server's count of NOERROR answers
         "Submission status: Accepted\nRejected records: 0",  # a zero count of rejected records
         'Created 3 recurring events in "Personal":\n- Walk 20 min daily 12:30-12:50\nConflicts: 0',  # a zero count of conflicts
+        "Order #HF-10442 confirmed\nItems unavailable: none\nEstimated delivery: Tue 11 Jun",
+        "Order number: EB-5530. 1 x frame battery - £289.00. Out of stock items: 0.",  # a zero count closing a sentence
         " [OK] Purged 1284 expired sessions (0 errors).",  # what a clean-up removed
         "[saving current Lisp image into app:\nwriting 0 bytes from the read-only space at 0x50000000\ndone]",  # SBCL
     ]

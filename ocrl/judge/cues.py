@@ -2,7 +2,7 @@
 embed.py) reads beside the classifier: a message that asks for an edit of the previous answer
 (`edit_cue`, `imperative_cue`, `softened_request`) or for it again (`redo_cue`), that opens with
 thanks or praise (`praise_opening`), moves on to a new request (`verdict_part`, `moves_on`) or
-asks a new question of its own (`new_question`, `thanked_question`), waves the answer away (`dismissive_opening`), changes its layout (`placement_edit`) or is
+asks a new question of its own (`new_question`, `thanked_question`), waves the answer away (`dismissive_opening`, `exasperated_close`), changes its layout (`placement_edit`) or is
 written in a script the encoder cannot read (`unread_script`); and emoji spelt out as words for the encoder
 (`spell_emoji`). Each returns the matched text (or the rewritten text) and knows nothing of the
 classifier, its fit or the rule. The cues in tool output are in tool_cues.py.
@@ -241,7 +241,7 @@ _THANKS = _any_of(
     "|ačiū|aitäh|tänan|gràcies|salamat|asante|ngiyabonga|enkosi|diolch|grazzi|eskerrik asko|faleminderit|rahmat|makasih"
     "|terima kasih|cảm ơn|תודה|شكرا|شكراً|ممنون|مرسی|شکریہ|धन्यवाद|शुक्रिया|ধন্যবাদ|நன்றி|ధన్యవాదాలు|ಧನ್ಯವಾದ|നന്ദി|ස්තුතියි"
     "|მადლობა|շնորհակալություն|አመሰግናለሁ",
-    "thank|dzięk|děkuj|ďakuj|köszön|teşekkür|谢谢|謝謝|多谢|ありがと|감사|고마워|고맙|ขอบคุณ",
+    "thank|dzięk|děkuj|ďakuj|köszön|teşekkür|谢谢|謝謝|多谢|ありがと|サンキュー|감사|고마워|고맙|땡큐|ขอบคุณ",
 )
 
 # Signs that the user moves on to something new rather than asking for a change: a word of
@@ -417,6 +417,17 @@ def verdict_part(text: str) -> tuple[str, str | None]:
         return text, None
     first = min(matches, key=lambda match: match.start(1))
     return text[: first.start(1)], first.group(1)
+
+
+# A message that closes on "come on" ("200 lines to average a list, come on"): all 8 labelled such
+# messages complain; "come on" inside a clause ("make the porch light come on at sunset") is a verb.
+_EXASPERATED = re.compile(r"(?i:(?:^|[,.!?;:]\s*)come on\W*$)")
+
+
+def exasperated_close(text: str) -> str | None:
+    """The "come on" a user's message closes on, or None."""
+    match = _EXASPERATED.search(text)
+    return match.group(0).strip(" ,.!?;:") if match else None
 
 
 # A message that opens by waving the answer away ("meh.", "nah", "nope"): on the labelled cases all

@@ -22,6 +22,7 @@ from ocrl.judge.cues import (
     closing_contrast,
     dismissive_opening,
     edit_cue,
+    exasperated_close,
     imperative_cue,
     new_question,
     placement_edit,
@@ -191,7 +192,7 @@ def decide(
         before, on = (next_state, None) if redo else verdict_part(next_state)
         edit, verb = edit_cue(next_state), None if on else imperative_cue(next_state)
         softened = None if on else softened_request(next_state)
-        closing, dismissive = closing_contrast(next_state), dismissive_opening(next_state)
+        closing, dismissive = closing_contrast(next_state), dismissive_opening(next_state) or exasperated_close(next_state)
         placed = None if on else placement_edit(next_state)
         cue = edit or redo or verb or closing or dismissive or placed
         # moving on relaxes the guard only for edit words in the new request, not in the verdict before it

@@ -66,7 +66,7 @@ _FAILURE_CUES = (
     r"|\bcertificate (?:has )?expired\b|\bself[- ]signed certificate\b|\bcertificate problem\b|\bunknown authority\b|\bhandshake (?:failure|failed)\b)",
     # quotas, limits ("too many", "clock skew too great": all 33 labelled tool outputs with one are failures), rate limits, timeouts
     r"(?i:\bexceeded\b|\btoo (?:great|large|big|many|long|old|new|short|small|slow|high|low|much)\b|\brate[- _]?limited\b|\brate[- _]?limit (?:reached|hit)\b|\btoo many requests\b|\bthrottl(?:ed|ing)\b|\bquota\b[^.\n]{0,30}\b(?:reached|full|used up)\b"
-    r"|\blimit (?:reached|hit)\b|\btry again (?:later|in)\b|\btimed out\b|\btimeout (?:after|for|error|exceeded|expired)\b"
+    r"|\bout[_ ]of[_ ]stock\b|\blimit (?:reached|hit)\b|\btry again (?:later|in)\b|\btimed out\b|\btimeout (?:after|for|error|exceeded|expired)\b"
     r"|(?im:^\s*time ?out\b(?!\s*(?:[=:]|(?:is|set|of|to)\b)))"
     r"|\bdid not (?:finish|complete|respond|return)\b|\bno response from\b|\bwithout (?:a )?response\b|(?<!\b0 )(?<!\b[Nn]o )\bconflicts?\b)",
     # protocols: HTTP status lines and reason phrases, status fields, SMTP replies with enhanced codes, IMAP NO/BAD
@@ -110,8 +110,8 @@ def tool_failure(text: str) -> str | None:
 
 # what a clean-up removed is no failure of it: "Purged 1284 expired sessions", "removed 3 failed jobs"
 _REMOVED_BEFORE = re.compile(r"(?i:\b(?:purged|removed|deleted|cleaned up|cleared|pruned|evicted|archived) [\d,]+ $)")
-_COUNTED = re.compile(r"(?i:errors|failed|failures?|fails?|rejected|conflicts?)")
-_ZERO_AFTER = re.compile(r"(?i:\s*(?:summary|count|total|[a-z]+(?=\s*[:=|]))?(?:\W{0,4}|[\s:.]{5,80})\s*(?:0|\[\]|\{\}|none|null|no (?:\w+ ){0,2}(?:errors?|failures?)\b)(?![\w.%]|,\d))")
+_COUNTED = re.compile(r"(?i:errors|failed|failures?|fails?|rejected|conflicts?|unavailable|out[_ ]of[_ ]stock)")
+_ZERO_AFTER = re.compile(r"(?i:\s*(?:summary|count|total|[a-z]+(?=\s*[:=|]))?(?:\W{0,4}|[\s:.]{5,80})\s*(?:0|\[\]|\{\}|none|null|no (?:\w+ ){0,2}(?:errors?|failures?)\b)(?![\w%]|[.,]\d))")
 _ZERO_BEFORE = re.compile(r"(?i:\b(?:0|no) (?:[a-z]+ ){1,2}$)")
 _SUMMARY_HEAD = re.compile(r"(?i:\s+(?:summary|count|total)\b)")
 
