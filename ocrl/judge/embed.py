@@ -168,7 +168,12 @@ def decide(
     Hangul, ...) is +1 only from `strict_guard`: on the committee's probabilities over the
     seventeen spent blind sets not in the fit data (12, 14-29; 5,525 cases) the two take the
     corrections at +1 from 16 to 8 (the guard: 6 corrections and 4 neutral messages righted, 5
-    thanks, approvals and next tasks lost), on the fit data they change nothing.
+    thanks, approvals and next tasks lost), on the fit data they change nothing. A message that
+    closes on "come on" (`exasperated_close`) or places something of the answer in its layout
+    ("show the high score under the score": `placement_edit`) is never +1 either. A question after
+    thanks in any language (`thanked_question`) and an order to send the answer on in another
+    (`sends_it`) are +1 from `question_floor` when no cue is in them: the committee reads the
+    dialects they come in at p(+1) 0.1-0.5.
     Chosen by 5-fold cross-validation on the fit cases, first for a linear head over frozen embeddings
     (on 2,576 cases a single 0.7 guard on `edit_cue` alone scored 0.920 with 10 corrections at
     +1, the two guards with the redo cue 0.920 with 5), then kept for the fine-tuned classifier:
