@@ -475,7 +475,8 @@ def test_an_order_to_send_the_answer_on_in_another_language_approves_it():
 def test_a_change_to_the_layout_of_the_answer_is_never_plus_one():
     for text, clause in [("cool, show the high score under the score", "show the high score under"),
                          ("stick a checkbox next to each one", "stick a checkbox next to"),
-                         ("thanks, add my licence number at the top", "add my licence number at the top")]:
+                         ("thanks, add my licence number at the top", "add my licence number at the top"),
+                         ("great, move the gloves warning to the top for the kids", "move the gloves warning to the top")]:
         assert cues.placement_edit(text) == clause, text
         assert embed_judge.decide({1: 0.99, -1: 0.01, 0: 0.0}, text, "user")[0] != 1, text
     # a question about how to place something moves on; "show me" asks for something new
@@ -607,6 +608,8 @@ def test_failure_cues_by_kind_of_tool_output():
         "Errors 2",
         "Merged 4 branches\nConflicts: 2",  # a count of conflicts that is not zero
         '{"order": "HF-10447", "lines": [{"item": "Saddle hackle", "status": "cancelled", "reason": "out_of_stock"}]}',
+        '{"order":"DX-55103","status":"confirmed","lines":[{"sku":"LBX-300","status":"cancelled","reason":"discontinued"}]}',  # a line taken out
+        'go: example.org/m/v3@latest: module example.org/m/v3: no matching versions for query "latest"',
         "3 expired certificates in the bundle",  # expired things that nothing removed
         "would reformat src/app.py\n\nOh no! 💥 💔 💥\n1 file would be reformatted, 3 files would be left unchanged.",  # black --check
         "State : clean, degraded",  # a RAID array (mdadm) or a service's health with a member down
@@ -669,6 +672,7 @@ def test_failure_cues_by_kind_of_tool_output():
         "Order #HF-10442 confirmed\nItems unavailable: none\nEstimated delivery: Tue 11 Jun",
         "Order number: EB-5530. 1 x frame battery - £289.00. Out of stock items: 0.",  # a zero count closing a sentence
         " [OK] Purged 1284 expired sessions (0 errors).",  # what a clean-up removed
+        '{"booking": "B-12", "status": "cancelled", "refund": "£40.00"}',  # a cancellation asked for, done
         "[saving current Lisp image into app:\nwriting 0 bytes from the read-only space at 0x50000000\ndone]",  # SBCL
     ]
     for text in successes:

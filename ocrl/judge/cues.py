@@ -339,7 +339,7 @@ def thanked_question(text: str) -> str | None:
 # ("add paging buttons underneath") read as -1 either way.
 _PLACEMENT = re.compile(
     r"(?i:(?:^|[,.!;:]\s*|\b(?:just|pls|please|and|then|(?:can|could|would) (?:you|u))\s+)(?:show|put|move|add|stick|place|display|pop)\b"
-    r"[^.!?\n]{1,40}?\b(?:under|underneath|below|above|next to|beside|on top of|at the top|at the bottom|(?:top|bottom) (?:left|right))\b)"
+    r"[^.!?\n]{1,40}?\b(?:under|underneath|below|above|next to|beside|on top of|(?:at|to) the (?:top|bottom|end|start)|(?:top|bottom) (?:left|right))\b)"
 )
 
 

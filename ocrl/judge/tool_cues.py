@@ -24,6 +24,8 @@ _FAILURE_CUES = (
     r"|(?i:\b(?:rc|exit|exit_?code|exit_?status|return_?code|returncode)\"?\s*[=:]\s*\"?[1-9])|(?i:\btimed_?out\"?\s*[=:]\s*true\b)"
     # a shell's exit status echoed after the command ("$ echo $?" then a number that is not 0: all 20 labelled are failures)
     r"|(?m:^\$ echo \"?(?:exit=|rc=|status=)?\$\?\"?[^\n]*\n\s*(?:exit=|rc=|status=)?[1-9]\d*\s*$)"
+    # a line of an order or a batch taken out, with its reason, inside a body that succeeded
+    r"|(?i:\[\s*\{[^\]]*?\"status\"\s*:\s*\"(?:cancel+ed|removed|rejected|refused|unavailable|out_of_stock)\"[^\]]*?\"reason\")"
     r"|(?i:\"(?:status|state|result|outcome)\"\s*:\s*\"(?:failed|failure|error|errored|timed_?out|timeout|offline|unreachable|rejected|denied"
     r"|returned|bounced|recalled|reversed)\")|(?i:\bstatus:\s*(?:returned|bounced|recalled|reversed)\b)"
     r"|\bfatal:|\bFATAL\b|\bFAILED\b|\bFAILURE\b|\bKilled\b|\b[1-9]\d* failed\b|\b(?:CrashLoop|ImagePull)BackOff\b|\bErrImagePull\b|\bOOMKilled\b"
@@ -50,7 +52,7 @@ _FAILURE_CUES = (
     r"(?m:^\s*(?:g?make|ninja)(?:\[\d+\])?: \*\*\*)|\berror\[E\d+\]|\berror TS\d+|(?i:\bbuild failed\b|\bcompilation terminated\b)",
     # not found, missing
     r"(?i:\bcommand not found\b|\bno such\b|\bnot found\b|\bdoes ?n[o']t exist\b|\bno longer exists\b|\bnot recognized as\b"
-    r"|\bno \w+ to satisfy\b|\bnothing provides\b"
+    r"|\bno \w+ to satisfy\b|\bnothing provides\b|\bno matching (?:versions?|distributions?|packages?)\b"
     r"|\bno (?:task|issue|ticket|item|record|user|order|job|entry|file|page|project|contact|note|event|invoice|booking|message|parcel"
     r"|container|instance|run|build|pipeline|snapshot|package|app|device|model) (?:#|no\. ?|number |with id |id )?[\w-]*\d[\w-]*\b)",
     # permission and authentication
