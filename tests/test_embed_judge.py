@@ -549,7 +549,7 @@ def test_shipped_fit_data_and_held_out_cases_are_valid_and_disjoint():
     kinds = {"tool_ok", "tool_error", "tool_neutral", "thanks", "approval", "next_task", "correction", "redo", "change_request",
              "complaint", "off_topic", "ambiguous"}
     assert kinds <= {case.kind for case in fit}
-    # the fifth (spent, a regression floor) and the twenty-first to thirty-third held-out sets, each
+    # the fifth (spent, a regression floor) and the twenty-first to thirty-fourth held-out sets, each
     # written blind and committed before any judge was scored on it: disjoint from the fit data,
     # the reported cases and each other
     seen = fit_states | reported_states
@@ -557,7 +557,8 @@ def test_shipped_fit_data_and_held_out_cases_are_valid_and_disjoint():
                        ("judge_heldout_23.jsonl", 320), ("judge_heldout_24.jsonl", 320),
                        ("judge_heldout_25.jsonl", 320), ("judge_heldout_26.jsonl", 320), ("judge_heldout_27.jsonl", 320),
                        ("judge_heldout_28.jsonl", 320), ("judge_heldout_29.jsonl", 320), ("judge_heldout_30.jsonl", 320),
-                       ("judge_heldout_31.jsonl", 320), ("judge_heldout_32.jsonl", 320), ("judge_heldout_33.jsonl", 320)):
+                       ("judge_heldout_31.jsonl", 320), ("judge_heldout_32.jsonl", 320), ("judge_heldout_33.jsonl", 320),
+                       ("judge_heldout_34.jsonl", 320)):
         blind = load_cases(DATA / name)
         assert len(blind) >= size
         for case in blind:
@@ -783,9 +784,9 @@ async def test_blind_held_out_set_meets_the_bar(judge):
     # The set reads higher for every candidate: the thirty-third (what shipped before) 309/325
     # with 1 at +1 (a correction in Dogri), on the same probabilities. The thirtieth, scored once
     # by the thirty-fourth: 298/325 = 0.917 with none. The two after it, each scored once blind:
-    # the thirty-second 0.908 with 4 (thirty-fifth), the thirty-third 0.932 with 3 (thirty-sixth):
-    # the bar holds on this set, not on every blind set. What ships (the thirty-seventh) reads this
-    # one 312/325 with none.
+    # the thirty-second 0.908 with 4 (thirty-fifth), the thirty-third 0.932 with 3 (thirty-sixth),
+    # the thirty-fourth 0.926 with 4 (thirty-seventh): the bar holds on this set, not on every blind
+    # set. What ships (the thirty-eighth) reads this one 312/325 with none.
     report = await evaluate(judge, load_cases(DATA / "judge_heldout_31.jsonl"))
     assert report["accuracy"] >= 0.92, report["misses"]
     assert report["confusion"][-1][1] == 0, report["misses"]
@@ -808,7 +809,8 @@ async def test_blind_held_out_accuracy_floor(judge):
     # the twenty-second 0.908 with 1, twenty-third 0.908 with 1, twenty-fourth 0.920 with 3,
     # twenty-fifth 0.886 with 2, twenty-sixth 0.911 with 3, twenty-seventh 0.905 with 2,
     # twenty-eighth 0.889 with 4, twenty-ninth 0.917 with 4, thirtieth 0.917 with none,
-    # thirty-first 0.957 with none, thirty-second 0.908 with 4, thirty-third 0.932 with 3; what
+    # thirty-first 0.957 with none, thirty-second 0.908 with 4, thirty-third 0.932 with 3,
+    # thirty-fourth 0.926 with 4; what
     # ships reads this one 303/325 = 0.932 with none.
     assert report["accuracy"] >= 0.91, report["misses"]
     assert report["confusion"][-1][1] <= 1, report["misses"]
