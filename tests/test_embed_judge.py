@@ -549,7 +549,7 @@ def test_shipped_fit_data_and_held_out_cases_are_valid_and_disjoint():
     kinds = {"tool_ok", "tool_error", "tool_neutral", "thanks", "approval", "next_task", "correction", "redo", "change_request",
              "complaint", "off_topic", "ambiguous"}
     assert kinds <= {case.kind for case in fit}
-    # the fifth (spent, a regression floor) and the twenty-first to thirty-fourth held-out sets, each
+    # the fifth (spent, a regression floor) and the twenty-first to thirty-fifth held-out sets, each
     # written blind and committed before any judge was scored on it: disjoint from the fit data,
     # the reported cases and each other
     seen = fit_states | reported_states
@@ -558,7 +558,7 @@ def test_shipped_fit_data_and_held_out_cases_are_valid_and_disjoint():
                        ("judge_heldout_25.jsonl", 320), ("judge_heldout_26.jsonl", 320), ("judge_heldout_27.jsonl", 320),
                        ("judge_heldout_28.jsonl", 320), ("judge_heldout_29.jsonl", 320), ("judge_heldout_30.jsonl", 320),
                        ("judge_heldout_31.jsonl", 320), ("judge_heldout_32.jsonl", 320), ("judge_heldout_33.jsonl", 320),
-                       ("judge_heldout_34.jsonl", 320)):
+                       ("judge_heldout_34.jsonl", 320), ("judge_heldout_35.jsonl", 320)):
         blind = load_cases(DATA / name)
         assert len(blind) >= size
         for case in blind:
@@ -785,8 +785,9 @@ async def test_blind_held_out_set_meets_the_bar(judge):
     # with 1 at +1 (a correction in Dogri), on the same probabilities. The thirtieth, scored once
     # by the thirty-fourth: 298/325 = 0.917 with none. The two after it, each scored once blind:
     # the thirty-second 0.908 with 4 (thirty-fifth), the thirty-third 0.932 with 3 (thirty-sixth),
-    # the thirty-fourth 0.926 with 4 (thirty-seventh): the bar holds on this set, not on every blind
-    # set. What ships (the thirty-eighth) reads this one 312/325 with none.
+    # the thirty-fourth 0.926 with 4 (thirty-seventh), the thirty-fifth 0.905 with 2 (thirty-eighth,
+    # what ships): the bar holds on this set, not on every blind set. What ships reads this one
+    # 312/325 with none.
     report = await evaluate(judge, load_cases(DATA / "judge_heldout_31.jsonl"))
     assert report["accuracy"] >= 0.92, report["misses"]
     assert report["confusion"][-1][1] == 0, report["misses"]
@@ -810,7 +811,7 @@ async def test_blind_held_out_accuracy_floor(judge):
     # twenty-fifth 0.886 with 2, twenty-sixth 0.911 with 3, twenty-seventh 0.905 with 2,
     # twenty-eighth 0.889 with 4, twenty-ninth 0.917 with 4, thirtieth 0.917 with none,
     # thirty-first 0.957 with none, thirty-second 0.908 with 4, thirty-third 0.932 with 3,
-    # thirty-fourth 0.926 with 4; what
+    # thirty-fourth 0.926 with 4, thirty-fifth 0.905 with 2; what
     # ships reads this one 303/325 = 0.932 with none.
     assert report["accuracy"] >= 0.91, report["misses"]
     assert report["confusion"][-1][1] <= 1, report["misses"]
