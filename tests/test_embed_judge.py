@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ocrl.judge import cues, tool_cues
+from ocrl.judge import cues, moving_on, tool_cues
 from ocrl.judge import embed as embed_judge
 from ocrl.judge import ngrams
 from ocrl.judge import classifier as judge_classifier
@@ -292,29 +292,29 @@ def test_imperative_cues_and_signs_of_moving_on():
     # a word of sequence or addition, or a question that opens a clause
     for text, sign in [("Great, now write the intro", "now"), ("next: the login page", "next"), ("Can you do Italian as well?", "as well"),
                        ("ok, and how do I do that on windows?", "how"), ("same for the March numbers", "same")]:
-        assert cues.moves_on(text) == sign, text
+        assert moving_on.moves_on(text) == sign, text
     for text in ["cc Maria on it", "make it shorter", "love it, just drop the last line", "thanks!"]:
-        assert cues.moves_on(text) is None, text
-    assert cues.moves_on("put the charts next to their sections") is None  # "next to" is a place
+        assert moving_on.moves_on(text) is None, text
+    assert moving_on.moves_on("put the charts next to their sections") is None  # "next to" is a place
     # a request for a new thing (a verb of making, an indefinite object) moves on; another version does not
     for text, sign in [("thanks. write me a predicate that counts list elements", "write"), ("make a packing list for the hike", "make"),
                        ("cool, can you draft a complaint to the council?", "draft")]:
-        assert cues.moves_on(text) == sign, text
+        assert moving_on.moves_on(text) == sign, text
     for text in ["write me a different one", "make a few more", "give me a rough number", "write it shorter"]:
-        assert cues.moves_on(text) is None, text
+        assert moving_on.moves_on(text) is None, text
     assert embed_judge.decide({1: 0.9, -1: 0.05, 0: 0.05}, "thanks. write me a predicate that counts list elements", "user")[0] == 1
     # "now" that closes a clause, or "right now"/"for now", tells the time; it does not move on
     for text in ["thanks, works now", "feeling a bit less sick about it now.", "undecided for now", "the sky is so pink right now"]:
-        assert cues.moves_on(text) is None, text
-    assert cues.moves_on("thanks! now the intro") == "now" and cues.moves_on("works now. Next, the logging") == "Next"
+        assert moving_on.moves_on(text) is None, text
+    assert moving_on.moves_on("thanks! now the intro") == "now" and moving_on.moves_on("works now. Next, the logging") == "Next"
     # what comes before the first sign of moving on is the verdict on the answer ("too" is a sign
     # only where it closes a clause; "next time" is not one)
-    assert cues.verdict_part("That's too long for me. Next: how do I boil an egg?") == ("That's too long for me. ", "Next")
-    assert cues.verdict_part("No markdown next time please. Who wrote Hamlet?") == ("No markdown next time please. ", "Who")
-    assert cues.verdict_part("thanks") == ("thanks", None)
+    assert moving_on.verdict_part("That's too long for me. Next: how do I boil an egg?") == ("That's too long for me. ", "Next")
+    assert moving_on.verdict_part("No markdown next time please. Who wrote Hamlet?") == ("No markdown next time please. ", "Who")
+    assert moving_on.verdict_part("thanks") == ("thanks", None)
     # the commonest words of contrast, of moving on and of asking again in other languages
     assert cues.edit_cue("perfecto, pero usa ustedes") == "pero" and cues.edit_cue("super, aber kürzer") == "aber"
-    assert cues.moves_on("vale, ahora busca un hotel") == "ahora" and cues.moves_on("merci, maintenant le résumé") == "maintenant"
+    assert moving_on.moves_on("vale, ahora busca un hotel") == "ahora" and moving_on.moves_on("merci, maintenant le résumé") == "maintenant"
     assert cues.redo_cue("nochmal bitte") == "nochmal" and cues.redo_cue("otra vez, por favor") == "otra vez"
     # a request for the answer again or another version of it
     for text, words in [("one more go?", "one more go"), ("let's have a second draft", "second draft"), ("try again pls", "again"),
@@ -329,7 +329,7 @@ def test_imperative_cues_and_signs_of_moving_on():
     # asking again, and moving on, in more languages
     for text, words in [("prøv igen, helt forfra", "igen"), ("spróbuj jeszcze raz", "jeszcze raz"), ("next option pls", "next option")]:
         assert cues.redo_cue(text) == words, text
-    assert cues.moves_on("dzięki. teraz zrób listę zakupów") == "teraz" and cues.moves_on("kiitos, nyt sama ruotsiksi") == "nyt"
+    assert moving_on.moves_on("dzięki. teraz zrób listę zakupów") == "teraz" and moving_on.moves_on("kiitos, nyt sama ruotsiksi") == "nyt"
     # "again" after what happened, or in a message that thanks, asks for nothing again
     for text in ["ugh, it strikes again 😩 thank you", "and it's humming again", "the neighbours are drilling AGAIN", "спасибо, снова работает"]:
         assert cues.redo_cue(text) is None, text
@@ -390,12 +390,12 @@ def test_a_new_question_of_the_users_own_moves_on():
     for text, word in [("ok. how long does a round of 18 usually take?", "how"), ("noted. any salsa socials on fridays?", "any"),
                        ("what time do car boots start on a sunday?", "what"), ("mm ok. best way to keep basil alive?", "best way"),
                        ("interesting. any tips for a first half marathon?", "any")]:
-        assert cues.new_question(text) == word, text
+        assert moving_on.new_question(text) == word, text
     # a question about the answer, a complaint, a request for it again: no new question
     for text in ["is that per car?", "does the cheaper one clamp to a 40mm worktop?", "why a table?", "how about another one?",
                  "what about in Spanish instead?", "thanks!", "ok. what does 'reasonable adjustments' cover though?",
                  "what does 'dry needling' mean there"]:
-        assert cues.new_question(text) is None, text
+        assert moving_on.new_question(text) is None, text
     question = "ok. how long does a round of 18 usually take?"
     assert embed_judge.decide({1: 0.15, -1: 0.05, 0: 0.80}, question, "user") == (1, None)  # neutral leads: still +1
     assert embed_judge.decide({1: 0.15, -1: 0.25, 0: 0.60}, question, "user")[0] != 1  # a correction leads
@@ -447,12 +447,12 @@ def test_a_question_after_thanks_moves_on_in_any_language():
     for text, word in [("Tack så mytji! Hur långt ä dä ti gå längs Siljan fre Tällberg då?", "Hur"),
                        ("listo, gracias mi niño. ¿y qué guagua cojo pa subir al Teide desde La Laguna?", "qué"),
                        ("danke dir! Und wie kumm i dann von Krems nach Dürnstein?", "wie"), ("谢谢！那去机场怎么走？", "怎么")]:
-        assert cues.thanked_question(text) == word, text
-    assert cues.thanked_question("arretado, visse! valeu. e lá em Jericoacoara, onde é bom pra ver o pôr do sol?") == "onde"
+        assert moving_on.thanked_question(text) == word, text
+    assert moving_on.thanked_question("arretado, visse! valeu. e lá em Jericoacoara, onde é bom pra ver o pôr do sol?") == "onde"
     # a request to the assistant, a question about the answer, no thanks, no question: none
     for text in ["thanks! could you add a line about parking?", "thanks! what about the other one?",
                  "hur långt är det till Tällberg?", "tack! hur långt det är, det visste jag inte"]:
-        assert cues.thanked_question(text) is None, text
+        assert moving_on.thanked_question(text) is None, text
     hesitant = {1: 0.33, -1: 0.56, 0: 0.11}  # the committee reads a dialect it has not seen
     assert embed_judge.decide(hesitant, "tack ska du ha! hur lång tid tar däm te å gå opp på Åreskutan då?", "user") == (1, None)
     assert embed_judge.decide(hesitant, "tack, men hur kan det vara två timmar?", "user")[0] != 1  # a contrast leads
@@ -462,11 +462,11 @@ def test_a_question_after_thanks_moves_on_in_any_language():
 def test_an_order_to_send_the_answer_on_in_another_language_approves_it():
     for text, word in [("زين، أرسلها للشوفير اليوم", "أرسل"), ("ekdum jhakaas bhidu, driver ko abhi bhej de", "bhej de"),
                        ("órale, así está chido. mándaselo al guía ya", "mándaselo")]:
-        assert cues.sends_it(text) == word, text
-    assert cues.sends_it("ٺيڪ آهي، هي نياپو ڊرائيور ڏانهن موڪلي ڇڏيو") == "موڪلي"  # Sindhi
+        assert moving_on.sends_it(text) == word, text
+    assert moving_on.sends_it("ٺيڪ آهي، هي نياپو ڊرائيور ڏانهن موڪلي ڇڏيو") == "موڪلي"  # Sindhi
     # a word of negation, or no order to send: none
     for text in ["لا ترسلها الحين", "no lo mandes todavía, mándalo mañana", "driver ko mat bhej do", "está chido"]:
-        assert cues.sends_it(text) is None, text
+        assert moving_on.sends_it(text) is None, text
     hesitant = {1: 0.09, -1: 0.5, 0: 0.41}  # the committee reads the dialect poorly
     assert embed_judge.decide(hesitant, "زين، أرسلها للشوفير اليوم", "user") == (1, None)
     assert embed_judge.decide(hesitant, "mándaselo, pero cambia la hora", "user")[0] != 1  # a contrast: a change request

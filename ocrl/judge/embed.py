@@ -24,16 +24,13 @@ from ocrl.judge.cues import (
     edit_cue,
     exasperated_close,
     imperative_cue,
-    new_question,
     placement_edit,
     praise_opening,
     redo_cue,
-    sends_it,
     softened_request,
-    thanked_question,
     unread_script,
-    verdict_part,
 )
+from ocrl.judge.moving_on import new_question, sends_it, thanked_question, verdict_part
 from ocrl.judge.ngrams import NGramSettings
 from ocrl.judge.tool_cues import tool_failure, tool_no_verdict
 from ocrl.judge.votes import timed_verdict
@@ -68,7 +65,7 @@ POSITIVE_FLOOR = 0.6
 # 0.96: 2,089 / 6; 0.93 and 0.9: 2,089 / 7; 0.8: 2,089 / 8 (the surest such correction sat at
 # 0.937, the approvals and next tasks the 0.98 guard held off on the eighteenth set at 0.969, 0.971).
 PRAISE_GUARD = 0.95
-# A new question of the user's own with no cue (`cues.new_question`: "ok. how long does a round of
+# A new question of the user's own with no cue (`moving_on.new_question`: "ok. how long does a round of
 # 18 usually take?") is +1 from this p(+1), when no correction leads: it moves on to a new task in
 # 35 of the 38 such messages of the blind sets 12-19, which the committee reads as neutral (p(+1)
 # 0.04-0.55; its early fit data labels 57 general-knowledge questions off-topic). Chosen on the
