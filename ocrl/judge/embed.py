@@ -205,7 +205,7 @@ def decide(
             return 1, None
         # so does a question after thanks, in any language, whatever the committee's hesitation, and
         # an order to send the answer on acts on it
-        if cue is None and dismissive is None and probs[1] >= question_floor and (thanked_question(next_state) or sends_it(next_state)):
+        if cue is None and probs[1] >= question_floor and (thanked_question(next_state) or sends_it(next_state)):
             return 1, None
         praised = verb is not None and edit is None and praise_opening(next_state) is not None
         never = (
