@@ -286,7 +286,7 @@ def test_imperative_cues_and_signs_of_moving_on():
     for text in ["thanks!", "ship it 🚀", "that fixed it", "ok, I'll ask legal", "the date is wrong"]:
         assert cues.imperative_cue(text) is None, text
     # a request form or a closing "please", in the commonest languages
-    for text in ["Love it. Can you push lunch to 12:30?", "light theme please", "die Zahlen aus Q3, bitte"]:
+    for text in ["Love it. Can you push lunch to 12:30?", "light theme please", "die Zahlen aus Q3, bitte", "cheers. could ya flip it round"]:
         assert cues.imperative_cue(text) is not None, text
     assert cues.praise_opening("Brilliant, cc my partner on it") == "Brilliant" and cues.praise_opening("cc Ana") is None
     # a word of sequence or addition, or a question that opens a clause
@@ -608,6 +608,10 @@ def test_failure_cues_by_kind_of_tool_output():
         "Merged 4 branches\nConflicts: 2",  # a count of conflicts that is not zero
         '{"order": "HF-10447", "lines": [{"item": "Saddle hackle", "status": "cancelled", "reason": "out_of_stock"}]}',
         '{"order":"DX-55103","status":"confirmed","lines":[{"sku":"LBX-300","status":"cancelled","reason":"discontinued"}]}',  # a line taken out
+        '{"order_id":"RX-1","status":"completed","items":[{"qty":1}],"items_rejected":[{"name":"Plasters","reason":"limit"}]}',  # a line refused
+        "Pottery for Beginners (Sat 10:00) is fully booked.\nPlaces left: 0. Join the waiting list?",  # nothing left to book
+        "Seats left: 0",
+        "Sorry, the 18:40 showing is sold out",
         'go: example.org/m/v3@latest: module example.org/m/v3: no matching versions for query "latest"',
         "3 expired certificates in the bundle",  # expired things that nothing removed
         "would reformat src/app.py\n\nOh no! 💥 💔 💥\n1 file would be reformatted, 3 files would be left unchanged.",  # black --check
@@ -631,6 +635,8 @@ def test_failure_cues_by_kind_of_tool_output():
         assert tool_cues.tool_failure(text) is not None, text
     successes = [
         "test result: ok. 3 passed; 0 failed",
+        '{"order_id":"RX-2","status":"completed","items":[{"qty":1}],"items_rejected":[]}',
+        "Booked: Pottery for Beginners (Sat 10:00). Places left: 4",
         "250 2.1.0 Sender OK",
         "A1 OK LOGIN completed",
         "HTTP/2 201",

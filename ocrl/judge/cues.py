@@ -162,11 +162,11 @@ _EDIT_VERBS = (
     "rotate shrink enlarge widen narrow darken lighten brighten"
 ).split() + _COMPARATIVES_OF_EDITS
 _IMPERATIVE = re.compile(
-    r"(?i:(?:^|[,.!;:\u2014\u2013-]\s*|\b(?:just|maybe|perhaps|pls|please|plz|and|but|then|(?:could|can|would|will) (?:you|u))\s+)"
+    r"(?i:(?:^|[,.!;:\u2014\u2013-]\s*|\b(?:just|maybe|perhaps|pls|please|plz|and|but|then|(?:could|can|would|will) (?:you|u|ya|ye))\s+)"
     r"(?:" + "|".join(re.escape(verb) for verb in _EDIT_VERBS) + r"|show(?!\s+(?:me|us)\b))\b"
-    r"|\b(?:could|can|would|will|should) (?:it|you|u|we) (?:be|have|rhyme|sound|read|say|include|mention|use|go|start|end)\b"
+    r"|\b(?:could|can|would|will|should) (?:it|you|u|ya|ye|we) (?:be|have|rhyme|sound|read|say|include|mention|use|go|start|end)\b"
     # a request form that opens a clause, or a closing "please" in the commonest languages
-    r"|(?:^|[,.!;:\u2014\u2013-]\s*)(?:(?:can|could|would|will) (?:you|u)|pls|plz|please)\b"
+    r"|(?:^|[,.!;:\u2014\u2013-]\s*)(?:(?:can|could|would|will) (?:you|u|ya|ye)|pls|plz|please)\b"
     r"|\b(?:please|pls|plz|por favor|bitte|s'il (?:te|vous) pla[iî]t|per favore)\s*[.!]?\s*$)"
 )
 

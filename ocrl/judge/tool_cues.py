@@ -71,6 +71,11 @@ _FAILURE_CUES = (
     r"|\bout[_ ]of[_ ]stock\b|\blimit (?:reached|hit)\b|\btry again (?:later|in)\b|\btimed out\b|\btimeout (?:after|for|error|exceeded|expired)\b"
     r"|(?im:^\s*time ?out\b(?!\s*(?:[=:]|(?:is|set|of|to)\b)))"
     r"|\bdid not (?:finish|complete|respond|return)\b|\bno response from\b|\bwithout (?:a )?response\b|(?<!\b0 )(?<!\b[Nn]o )\bconflicts?\b)",
+    # nothing left to book: "fully booked", "sold out", "no seats left", "Places left: 0"
+    r"(?i:\bfully booked\b|\bsold out\b|\bno (?:more )?(?:places|seats|spaces|spots|slots|tickets|rooms|tables|availability)"
+    r" (?:left|available|remaining)\b|\b(?:places|seats|spaces|spots|slots|tickets|rooms|tables) (?:left|available|remaining):\s*0\b)",
+    # a list of what was rejected or failed that is not empty, inside a body that succeeded ("items_rejected": [{...}])
+    r"(?i:\"(?:\w+_)?(?:rejected|failed|declined|refused|cancel+ed|unavailable)(?:_\w+)?\"\s*:\s*\[\s*[{\"])",
     # protocols: HTTP status lines and reason phrases, status fields, SMTP replies with enhanced codes, IMAP NO/BAD
     r"(?m:^\s*(?:HTTP/[\d.]+\s+|SMTP\s+)?[45]\d\d(?:\s+|\s*[-:]\s*)[A-Z])|\bHTTP/[\d.]+ [45]\d\d\b|\b[45]\d\d[ -][45]\.\d{1,3}\.\d{1,3}\b"
     r"|\b(?:Bad Request|Payment Required|Method Not Allowed|Not Acceptable|Request Timeout|Precondition Failed|Payload Too Large"
