@@ -612,6 +612,8 @@ def test_failure_cues_by_kind_of_tool_output():
         "Pottery for Beginners (Sat 10:00) is fully booked.\nPlaces left: 0. Join the waiting list?",  # nothing left to book
         "Seats left: 0",
         "Sorry, the 18:40 showing is sold out",
+        "No buildozer.spec found in the current directory",  # a named config file missing
+        "Parcel TH-1 \u2022 Returned to depot\nDelivery attempted - no safe place",  # a delivery that did not arrive
         'go: example.org/m/v3@latest: module example.org/m/v3: no matching versions for query "latest"',
         "3 expired certificates in the bundle",  # expired things that nothing removed
         "would reformat src/app.py\n\nOh no! 💥 💔 💥\n1 file would be reformatted, 3 files would be left unchanged.",  # black --check
@@ -637,6 +639,7 @@ def test_failure_cues_by_kind_of_tool_output():
         "test result: ok. 3 passed; 0 failed",
         '{"order_id":"RX-2","status":"completed","items":[{"qty":1}],"items_rejected":[]}',
         "Booked: Pottery for Beginners (Sat 10:00). Places left: 4",
+        "Parcel TH-2 \u2022 Delivered 14 Jun 11:52, left in the porch",
         "250 2.1.0 Sender OK",
         "A1 OK LOGIN completed",
         "HTTP/2 201",

@@ -53,6 +53,7 @@ _FAILURE_CUES = (
     # not found, missing
     r"(?i:\bcommand not found\b|\bno such\b|\bnot found\b|\bdoes ?n[o']t exist\b|\bno longer exists\b|\bnot recognized as\b"
     r"|\bno \w+ to satisfy\b|\bnothing provides\b|\bno matching (?:versions?|distributions?|packages?)\b"
+    r"|\bno [\w./-]+\.(?:spec|json|toml|ya?ml|lock|cfg|ini|conf|config|xml|gradle|properties|env|pem|key)(?: file)? (?:was )?found\b"
     r"|\bno (?:task|issue|ticket|item|record|user|order|job|entry|file|page|project|contact|note|event|invoice|booking|message|parcel"
     r"|container|instance|run|build|pipeline|snapshot|package|app|device|model) (?:#|no\. ?|number |with id |id )?[\w-]*\d[\w-]*\b)",
     # permission and authentication
@@ -74,6 +75,8 @@ _FAILURE_CUES = (
     # nothing left to book: "fully booked", "sold out", "no seats left", "Places left: 0"
     r"(?i:\bfully booked\b|\bsold out\b|\bno (?:more )?(?:places|seats|spaces|spots|slots|tickets|rooms|tables|availability)"
     r" (?:left|available|remaining)\b|\b(?:places|seats|spaces|spots|slots|tickets|rooms|tables) (?:left|available|remaining):\s*0\b)",
+    # a delivery that did not reach its address ("Returned to depot", "Delivery attempted - no safe place")
+    r"(?i:\breturned to (?:the )?(?:sender|depot|origin|warehouse|branch)\b|\bdelivery (?:attempted|unsuccessful)\b|\battempted delivery\b|\bundeliverable\b)",
     # a list of what was rejected or failed that is not empty, inside a body that succeeded ("items_rejected": [{...}])
     r"(?i:\"(?:\w+_)?(?:rejected|failed|declined|refused|cancel+ed|unavailable)(?:_\w+)?\"\s*:\s*\[\s*[{\"])",
     # protocols: HTTP status lines and reason phrases, status fields, SMTP replies with enhanced codes, IMAP NO/BAD
