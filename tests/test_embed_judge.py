@@ -613,6 +613,7 @@ def test_failure_cues_by_kind_of_tool_output():
         "Seats left: 0",
         "Sorry, the 18:40 showing is sold out",
         "No buildozer.spec found in the current directory",  # a named config file missing
+        "No P-Touch printer found on USB",  # no device to run on
         "Parcel TH-1 \u2022 Returned to depot\nDelivery attempted - no safe place",  # a delivery that did not arrive
         'go: example.org/m/v3@latest: module example.org/m/v3: no matching versions for query "latest"',
         "3 expired certificates in the bundle",  # expired things that nothing removed
@@ -640,6 +641,7 @@ def test_failure_cues_by_kind_of_tool_output():
         '{"order_id":"RX-2","status":"completed","items":[{"qty":1}],"items_rejected":[]}',
         "Booked: Pottery for Beginners (Sat 10:00). Places left: 4",
         "Parcel TH-2 \u2022 Delivered 14 Jun 11:52, left in the porch",
+        "Found 1 printer: QL-700 on USB",
         "250 2.1.0 Sender OK",
         "A1 OK LOGIN completed",
         "HTTP/2 201",

@@ -54,6 +54,9 @@ _FAILURE_CUES = (
     r"(?i:\bcommand not found\b|\bno such\b|\bnot found\b|\bdoes ?n[o']t exist\b|\bno longer exists\b|\bnot recognized as\b"
     r"|\bno \w+ to satisfy\b|\bnothing provides\b|\bno matching (?:versions?|distributions?|packages?)\b"
     r"|\bno [\w./-]+\.(?:spec|json|toml|ya?ml|lock|cfg|ini|conf|config|xml|gradle|properties|env|pem|key)(?: file)? (?:was )?found\b"
+    # no device to run on ("No P-Touch printer found on USB", "no camera detected")
+    r"|\bno (?:[\w-]+ ){0,2}(?:printers?|devices?|cameras?|scanners?|drives?|disks?|adapters?|interfaces?|controllers?|displays?|monitors?"
+    r"|microphones?|speakers?|readers?|boards?|sensors?|dongles?|gpus?|cards?) (?:was |were )?(?:found|detected|connected|attached)\b"
     r"|\bno (?:task|issue|ticket|item|record|user|order|job|entry|file|page|project|contact|note|event|invoice|booking|message|parcel"
     r"|container|instance|run|build|pipeline|snapshot|package|app|device|model) (?:#|no\. ?|number |with id |id )?[\w-]*\d[\w-]*\b)",
     # permission and authentication
