@@ -161,12 +161,14 @@ _EDIT_VERBS = (
     "invite notify paginate limit cap dedupe deduplicate lowercase uppercase capitalise capitalize centre center crop resize "
     "rotate shrink enlarge widen narrow darken lighten brighten"
 ).split() + _COMPARATIVES_OF_EDITS
+# "you" as people type it to the assistant, in dialects too ("could ya", "can ye")
+_YOU = r"(?:you|u|ya|ye)"
 _IMPERATIVE = re.compile(
-    r"(?i:(?:^|[,.!;:\u2014\u2013-]\s*|\b(?:just|maybe|perhaps|pls|please|plz|and|but|then|(?:could|can|would|will) (?:you|u|ya|ye))\s+)"
+    r"(?i:(?:^|[,.!;:\u2014\u2013-]\s*|\b(?:just|maybe|perhaps|pls|please|plz|and|but|then|(?:could|can|would|will) " + _YOU + r")\s+)"
     r"(?:" + "|".join(re.escape(verb) for verb in _EDIT_VERBS) + r"|show(?!\s+(?:me|us)\b))\b"
-    r"|\b(?:could|can|would|will|should) (?:it|you|u|ya|ye|we) (?:be|have|rhyme|sound|read|say|include|mention|use|go|start|end)\b"
+    r"|\b(?:could|can|would|will|should) (?:it|we|" + _YOU + r") (?:be|have|rhyme|sound|read|say|include|mention|use|go|start|end)\b"
     # a request form that opens a clause, or a closing "please" in the commonest languages
-    r"|(?:^|[,.!;:\u2014\u2013-]\s*)(?:(?:can|could|would|will) (?:you|u|ya|ye)|pls|plz|please)\b"
+    r"|(?:^|[,.!;:\u2014\u2013-]\s*)(?:(?:can|could|would|will) " + _YOU + r"|pls|plz|please)\b"
     r"|\b(?:please|pls|plz|por favor|bitte|s'il (?:te|vous) pla[iî]t|per favore)\s*[.!]?\s*$)"
 )
 
