@@ -488,6 +488,33 @@ def test_a_change_to_the_layout_of_the_answer_is_never_plus_one():
     assert cues.edit_cue("keep that under 40 characters") is not None
 
 
+def test_a_change_to_the_order_of_the_answer_is_never_plus_one():
+    certain = {1: 0.97, -1: 0.02, 0: 0.01}
+    for text, clause in [("list the merchant parts from cheapest to dearest pls", "list the merchant parts from cheapest to dearest"),
+                         ("lovely. sort them alphabetically", "sort them alphabetically"), ("cheapest first please", "cheapest first"),
+                         ("sort it by surname pls", "sort it by"), ("put them in date order", "put them in date order")]:
+        assert cues.reorder_edit(text) == clause, text
+        assert embed_judge.decide(certain, text, "user")[0] != 1, text
+    # an order to act on it by a time, and a new request that sorts, are no reordering
+    for text in ["order it by friday", "order the 1500 bag", "tests pass. add a leaderboard endpoint sorted by rating"]:
+        assert cues.reorder_edit(text) is None, text
+        assert embed_judge.decide(certain, text, "user") == (1, None), text
+    assert embed_judge.decide(certain, "records show up 🎉 next: a dropdown to sort them by year", "user") == (1, None)
+
+
+def test_a_fault_found_in_the_content_of_the_answer_is_never_plus_one():
+    sure = {1: 0.9, -1: 0.08, 0: 0.02}
+    for text, word in [("tui-rs is archived. ratatui is the maintained fork", "archived"),
+                       ("what are 34, 212 and 0.8 doing hardcoded in the middle of that function", "hardcoded"),
+                       ("what is 37, what is 412... magic numbers all over the place", "magic numbers"),
+                       ("that was removed ages ago", "was removed"), ("st.cache is deprecated", "deprecated")]:
+        assert cues.faulted_content(text) == word, text
+        assert embed_judge.decide(sure, text, "user")[0] != 1, text
+    # one that thanks may tell of a fault the answer fixed
+    assert cues.faulted_content("thanks, the deprecated call is gone and it runs") is None
+    assert embed_judge.decide(sure, "thanks, the deprecated call is gone and it runs", "user") == (1, None)
+
+
 def test_a_softened_request_after_an_opening_is_never_plus_one():
     certain = {1: 0.97, -1: 0.02, 0: 0.01}
     assert embed_judge.decide(certain, "מקסים! רק תוסיף שצריך להביא גרביים", "user") == (-1, "רק")
@@ -623,6 +650,8 @@ def test_failure_cues_by_kind_of_tool_output():
         "State : clean, degraded",  # a RAID array (mdadm) or a service's health with a member down
         "rtlsdr: no supported devices found.\nexit=1",  # a shell's exit status as the agent echoes it
         '{"results":[{"id":"a1","status":"ok"},{"id":"b2","status":"timed_out"}]}',  # a failure as a JSON status value
+        '{"queued_count":1,"messages":[{"to":"+4477009001","status":"SUCCESS"},{"to":"+4477","status":"INVALID_RECIPIENT"}]}',
+        '{"to":"+447700900777","status":"undelivered","error_code":30003}',
         "Certificate Validity (UTC)   expired (2024-05-30 23:59 --> 2024-06-11 10:31)",
         "Found 2 known vulnerabilities in 1 package",  # a scanner's findings
         "/home/june/Downloads/x.pdf.exe: Win.Trojan.Agent-1128449 FOUND",  # ClamAV

@@ -23,10 +23,12 @@ from ocrl.judge.cues import (
     dismissive_opening,
     edit_cue,
     exasperated_close,
+    faulted_content,
     imperative_cue,
     placement_edit,
     praise_opening,
     redo_cue,
+    reorder_edit,
     softened_request,
     unread_script,
 )
@@ -166,8 +168,11 @@ def decide(
     seventeen spent blind sets not in the fit data (12, 14-29; 5,525 cases) the two take the
     corrections at +1 from 16 to 8 (the guard: 6 corrections and 4 neutral messages righted, 5
     thanks, approvals and next tasks lost), on the fit data they change nothing. A message that
-    closes on "come on" (`exasperated_close`) or places something of the answer in its layout
-    ("show the high score under the score": `placement_edit`) is never +1 either. A question after
+    closes on "come on" (`exasperated_close`), places something of the answer in its layout
+    ("show the high score under the score": `placement_edit`) or puts its items in another order
+    ("sort them by price pls": `reorder_edit`) is never +1 either, nor is one that finds a fault in
+    its content ("tui-rs is archived", "magic numbers all over": `faulted_content`), even as a
+    question that seems to move on. A question after
     thanks in any language (`thanked_question`) and an order to send the answer on in another
     (`sends_it`) are +1 from `question_floor` when no cue is in them: the committee reads the
     dialects they come in at p(+1) 0.1-0.5.
@@ -194,11 +199,13 @@ def decide(
         before, on = (next_state, None) if redo else verdict_part(next_state)
         edit, verb = edit_cue(next_state), None if on else imperative_cue(next_state)
         softened = None if on else softened_request(next_state)
-        closing, dismissive = closing_contrast(next_state), dismissive_opening(next_state) or exasperated_close(next_state)
-        placed = None if on else placement_edit(next_state)
+        closing = closing_contrast(next_state)
+        faulted = faulted_content(next_state)
+        dismissive = dismissive_opening(next_state) or exasperated_close(next_state) or faulted
+        placed = None if on else placement_edit(next_state) or reorder_edit(next_state)
         cue = edit or redo or verb or closing or dismissive or placed
         # moving on relaxes the guard only for edit words in the new request, not in the verdict before it
-        relaxed = on is not None and edit_cue(before) is None and closing is None
+        relaxed = on is not None and edit_cue(before) is None and closing is None and faulted is None
         # a new question of its own moves on, unless a correction leads (an edit word after the
         # sign of moving on is the new request's: "and how do I ... without blocking")
         if (cue is None or relaxed) and probs[1] >= max(question_floor, probs[-1]) and new_question(next_state) is not None:
