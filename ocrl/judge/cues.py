@@ -1,9 +1,9 @@
 """Cheap textual cues in a user's message that the embed judge's decision rule (`decide` in
 embed.py) reads beside the classifier: a message that asks for an edit of the previous answer
-(`edit_cue`, `imperative_cue`, `softened_request`, `placement_edit`, `reorder_edit`) or for it
-again (`redo_cue`), that opens with thanks or praise (`praise_opening`), waves the answer away
-(`dismissive_opening`, `exasperated_close`), finds a fault in its content (`faulted_content`) or
-closes on a contrast (`closing_contrast`), or is
+(`edit_cue`, `imperative_cue`, `softened_request`, `placement_edit`, `reorder_edit`,
+`announced_edit`) or for it again (`redo_cue`), that opens with thanks or praise
+(`praise_opening`), waves the answer away (`dismissive_opening`, `exasperated_close`), finds a
+fault in its content (`faulted_content`) or closes on a contrast (`closing_contrast`), or is
 written in a script the encoder cannot read (`unread_script`); the word lists the cues share
 (`THANKS`, `any_of`); and emoji spelt out as words for the encoder (`spell_emoji`). Each returns
 the matched text (or the rewritten text) and knows nothing of the classifier, its fit or the
@@ -264,6 +264,18 @@ def reorder_edit(text: str) -> str | None:
     surname", "cheapest first please"), or None."""
     match = _REORDER.search(text)
     return match.group(0).strip(" ,.!;:") if match else None
+
+
+# A change announced before it is said ("great. one thing: use grams please", "tiny thing: can we
+# say ...", "one tweak: lose the hashtag"): all 6 labelled user messages with one are change
+# requests, thanks or praise before it included.
+_ANNOUNCED = re.compile(r"(?i:\b(?:one|two|a couple of|a few|tiny|small|minor)\s+(?:small\s+|tiny\s+|minor\s+|little\s+)?(?:thing|change|tweak|nit|fix|edit)s?\s*:)")
+
+
+def announced_edit(text: str) -> str | None:
+    """The words of a user's message that announce a change to the answer ("one thing:"), or None."""
+    match = _ANNOUNCED.search(text)
+    return match.group(0).rstrip(" :") if match else None
 
 
 def praise_opening(text: str) -> str | None:

@@ -19,6 +19,7 @@ from ocrl.judge.cases import Case, evaluate, format_report, load_cases, tally
 from ocrl.judge.classifier import FIT_DATA, LABELS, FitSettings, Item, item_of, labels_to_index
 from ocrl.judge.committee import MEMBERS, Committee, load_committee, new_member
 from ocrl.judge.cues import (
+    announced_edit,
     closing_contrast,
     dismissive_opening,
     edit_cue,
@@ -81,7 +82,7 @@ PRAISE_GUARD = 0.95
 QUESTION_FLOOR = 0.02
 
 # The blind held-out set the judge is measured on (written blind, scored once; see its note)
-BLIND_SET = Path(__file__).resolve().parents[2] / "tests" / "data" / "judge_heldout_42.jsonl"
+BLIND_SET = Path(__file__).resolve().parents[2] / "tests" / "data" / "judge_heldout_46.jsonl"
 
 
 def cross_validate(
@@ -202,7 +203,7 @@ def decide(
         closing = closing_contrast(next_state)
         faulted = faulted_content(next_state)
         dismissive = dismissive_opening(next_state) or exasperated_close(next_state) or faulted
-        placed = None if on else placement_edit(next_state) or reorder_edit(next_state)
+        placed = (None if on else placement_edit(next_state) or reorder_edit(next_state)) or announced_edit(next_state)
         cue = edit or redo or verb or closing or dismissive or placed
         # moving on relaxes the guard only for edit words in the new request, not in the verdict before it
         relaxed = on is not None and edit_cue(before) is None and closing is None and faulted is None
