@@ -515,6 +515,17 @@ def test_a_fault_found_in_the_content_of_the_answer_is_never_plus_one():
     assert embed_judge.decide(sure, "thanks, the deprecated call is gone and it runs", "user") == (1, None)
 
 
+def test_a_request_that_the_answer_itself_do_more_asks_for_a_change():
+    hesitant = {1: 0.61, -1: 0.38, 0: 0.01}
+    for text, clause in [("love the diary. can it also track wet nappies? extra column", "can it also track"),
+                         ("can the names be bigger? and pronouns underneath", "can the names be")]:
+        assert moving_on.moves_on(text) is None and cues.imperative_cue(text) == clause, text
+        assert embed_judge.decide(hesitant, text, "user")[0] != 1, text
+    # "also" of the user's own moves on to a new request
+    assert moving_on.moves_on("love the diary. can you also find me a pram") == "also"
+    assert embed_judge.decide(hesitant, "love the diary. can you also find me a pram", "user") == (1, None)
+
+
 def test_a_change_announced_before_it_is_said_is_never_plus_one():
     certain = {1: 0.97, -1: 0.02, 0: 0.01}
     for text, words in [("great work. one thing: the password field should have a show/hide toggle", "one thing"),

@@ -167,7 +167,10 @@ _YOU = r"(?:you|u|ya|ye)"
 _IMPERATIVE = re.compile(
     r"(?i:(?:^|[,.!;:\u2014\u2013-]\s*|\b(?:just|maybe|perhaps|pls|please|plz|and|but|then|(?:could|can|would|will) " + _YOU + r")\s+)"
     r"(?:" + "|".join(re.escape(verb) for verb in _EDIT_VERBS) + r"|show(?!\s+(?:me|us)\b))\b"
-    r"|\b(?:could|can|would|will|should) (?:it|we|" + _YOU + r") (?:be|have|rhyme|sound|read|say|include|mention|use|go|start|end)\b"
+    # a request that the answer itself do or be something ("could it include ...", "can the names
+    # be bigger?", "can it also track wet nappies?")
+    r"|\b(?:could|can|would|will|should) (?:it|we|the [\w-]+|" + _YOU + r") (?:also |just |maybe )?"
+    r"(?:be|have|rhyme|sound|read|say|include|mention|use|go|start|end|track|show|list|skip|count|note|log|cover)\b"
     # a request form that opens a clause, or a closing "please" in the commonest languages
     r"|(?:^|[,.!;:\u2014\u2013-]\s*)(?:(?:can|could|would|will) " + _YOU + r"|pls|plz|please)\b"
     r"|\b(?:please|pls|plz|por favor|bitte|s'il (?:te|vous) pla[iî]t|per favore)\s*[.!]?\s*$)"

@@ -14,16 +14,16 @@ import re
 from ocrl.judge.cues import CLOSING_QUESTION, THANKS, any_of
 
 # Signs that the user moves on to something new rather than asking for a change: a word of
-# sequence or addition ("now", "next", "also", "same for", "let's"), a question that opens a
-# clause ("how do I ...", "what about ..."), or a request for a new thing, a verb of making that
-# opens a clause or a request, with an indefinite object ("write me a predicate that ...", "can you
-# make a packing list for ..."; not "a different one", "a few more": those ask for the answer
-# again). Of the 30 labelled such requests that carry a request form and no other cue, 29 are
-# next tasks and one an off-topic ask; "give" is left out ("that tells me nothing, give me a
-# number": three complaints).
+# sequence or addition ("now", "next", "also" but not the answer's own "can it also ...", "same
+# for", "let's"), a question that opens a clause ("how do I ...", "what about ..."), or a request
+# for a new thing, a verb of making that opens a clause or a request, with an indefinite object
+# ("write me a predicate that ...", "can you make a packing list for ..."; not "a different one",
+# "a few more": those ask for the answer again). Of the 30 labelled such requests that carry a
+# request form and no other cue, 29 are next tasks and one an off-topic ask; "give" is left out
+# ("that tells me nothing, give me a number": three complaints).
 _MOVES_ON = (
     re.compile(
-        r"(?i:\b((?<!right )(?<!just )(?<!for )(?<!by )(?<!until )(?<!till )(?<!from )now(?!\s*(?:[.!;)]|$))|next(?! to\b| time\b)|then|also|ahora|luego|también|jetzt|dann|danach|auch|maintenant|ensuite|aussi|adesso|poi|anche"
+        r"(?i:\b((?<!right )(?<!just )(?<!for )(?<!by )(?<!until )(?<!till )(?<!from )now(?!\s*(?:[.!;)]|$))|next(?! to\b| time\b)|then|(?<!\bit )(?<!\bthis )(?<!\bthat )also|ahora|luego|también|jetzt|dann|danach|auch|maintenant|ensuite|aussi|adesso|poi|anche"
         r"|agora|depois|também|nu|daarna|ook|nå|også|också|teraz|też|także|teď|ted|také|nyt|myös|şimdi|ayrıca|acum|τώρα|επίσης"
         r"|too(?=\s*(?:[?.!,]|$))|as well|same|moving on|on to|onto|new task|let'?s|after that|another thing|one more thing)\b)"
     ),
