@@ -769,6 +769,8 @@ def test_tool_output_that_reports_no_outcome_yet_is_zero():
         "Search: 0 result(s) found for 'tide'",
         "$ redis-cli BGSAVE\nBackground saving started",
         'HTTP/1.1 201 Created\n{"detail": "Request accepted", "estimatedSeconds": 5}',
+        "   Compiling glam v0.27.0\n   Compiling miniquad v0.4.8\n    Building [=====>   ] 41/97: quad-snd",  # stops on work under way
+        "Collecting matplotlib\n  Downloading matplotlib-3.9.0-cp312-cp312-manylinux_2_17_x86_64.whl (8.3 MB)\n",
     ]
     empty = [
         '{"total_count": 0, "items": []}',
@@ -816,6 +818,8 @@ def test_tool_output_that_reports_no_outcome_yet_is_zero():
         "remote: Processing changes: refs: 1, new: 1, done",
         "$ npx tsc --noEmit\n$ echo $?\n0",  # a checker that prints nothing and exits 0 has passed
         '{"id": 81, "status": "paid", "items": [{"sku": "A1"}]}',
+        "   Compiling glam v0.27.0\n    Finished `dev` profile [unoptimized + debuginfo] target(s) in 41.2s",  # work that ended
+        "Downloading matplotlib-3.9.0.whl (8.3 MB) done",
     ]
     for text in outcomes:
         assert tool_cues.tool_no_verdict(text) is None, text

@@ -212,6 +212,11 @@ _NO_VERDICT_CUES = (
     r"\A\$ (?:grep|egrep|rg|zgrep)\b[^\n]*\s-\w*c\b[^\n]*\n\s*0\s*\Z",
     # a command sent to the background, with only its job number and process id after it
     r"\A\$ [^\n]*&\s*\n\[\d+\] \d+\s*\Z",
+    # output that stops on a line of work still under way ("Compiling glam v0.27.0", "Downloading
+    # matplotlib-3.9.0 ...", "Fetching https://..."): all 18 distinct labelled tool outputs whose last
+    # line opens so are no outcome yet
+    r"(?im:^[ \t]*(?:compiling|downloading|fetching|uploading|collecting|building|installing|resolving|deploying|pushing"
+    r"|pulling)\b(?![^\n]*\b(?:done|ok|finished|complete)\b)[^\n]*\s*\Z)",
     # an empty data frame (R's tibble, a polars frame), a job not waited for or waiting until a time
     r"(?i:\bA tibble: 0 [×x]|\bshape: \(0, \d+\)|\bnot waiting for (?:it|them|the \w+) to (?:finish|complete)\b|\bwaiting until\b)",
 )
