@@ -695,6 +695,7 @@ def test_failure_cues_by_kind_of_tool_output():
         "Booked: Pottery for Beginners (Sat 10:00). Places left: 4",
         "Parcel TH-2 \u2022 Delivered 14 Jun 11:52, left in the porch",
         "Found 1 printer: QL-700 on USB",
+        "$ npm run lint\n\n> next lint\n\n✔ No ESLint warnings or errors",  # "no" three words before the failure word
         "250 2.1.0 Sender OK",
         "A1 OK LOGIN completed",
         "HTTP/2 201",

@@ -125,7 +125,8 @@ def tool_failure(text: str) -> str | None:
 _REMOVED_BEFORE = re.compile(r"(?i:\b(?:purged|removed|deleted|cleaned up|cleared|pruned|evicted|archived) [\d,]+ $)")
 _COUNTED = re.compile(r"(?i:errors|failed|failures?|fails?|rejected|conflicts?|unavailable|out[_ ]of[_ ]stock)")
 _ZERO_AFTER = re.compile(r"(?i:\s*(?:summary|count|total|[a-z]+(?=\s*[:=|]))?(?:\W{0,4}|[\s:.]{5,80})\s*(?:0|\[\]|\{\}|none|null|no (?:\w+ ){0,2}(?:errors?|failures?)\b)(?![\w%]|[.,]\d))")
-_ZERO_BEFORE = re.compile(r"(?i:\b(?:0|no) (?:[a-z]+ ){1,2}$)")
+# "0" or "no" up to three words before the word ("No ESLint warnings or errors")
+_ZERO_BEFORE = re.compile(r"(?i:\b(?:0|no) (?:[a-z]+ ){1,3}$)")
 _SUMMARY_HEAD = re.compile(r"(?i:\s+(?:summary|count|total)\b)")
 
 
