@@ -526,6 +526,16 @@ def test_a_request_that_the_answer_itself_do_more_asks_for_a_change():
     assert embed_judge.decide(hesitant, "love the diary. can you also find me a pram", "user") == (1, None)
 
 
+def test_a_japanese_request_with_a_word_of_contrast_is_never_plus_one():
+    sure = {1: 0.9, -1: 0.08, 0: 0.02}
+    # a dialect's "but" (けんど) and request form (〜てくれへん) after thanks: a change request
+    text = "ええなあ、ありがとう！ほなけんど、渦潮を朝にして、眉山は夕方に回してくれへん？"
+    assert cues.imperative_cue(text) == "てくれ" and cues.edit_cue(text) == "けんど"
+    assert embed_judge.decide(sure, text, "user")[0] == -1
+    assert cues.imperative_cue("最初から考え直してくれんね") == "てくれ" and cues.imperative_cue("ありがとう！助かった") is None
+    assert embed_judge.decide(sure, "ありがとう！助かったばい", "user") == (1, None)
+
+
 def test_a_change_announced_before_it_is_said_is_never_plus_one():
     certain = {1: 0.97, -1: 0.02, 0: 0.01}
     for text, words in [("great work. one thing: the password field should have a show/hide toggle", "one thing"),

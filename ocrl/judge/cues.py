@@ -50,7 +50,8 @@ def any_of(spaced: str, unspaced: str = "") -> re.Pattern[str]:
 # The same words of contrast ("but", "however", "instead") in the languages English and the list
 # above leave out, written from the languages, by family: Romance, Germanic, Slavic (Latin and
 # Cyrillic), Baltic, Finno-Ugric, Turkic, Greek, Semitic, Iranian, Indic and Dravidian,
-# Austronesian, African, Caucasian, and the scripts written without spaces. Words that are also
+# Austronesian, African, Caucasian, and the scripts written without spaces (with the dialect forms
+# of Japanese "but": けんど, ばってん, だども). Words that are also
 # common English (or another language's common) words are left out ("men", "bet", "ali", "so").
 _CONTRAST = any_of(
     "sino|sin embargo|en cambio|jedoch|stattdessen|plutôt|cependant|invece|tuttavia|porém|contudo|em vez disso|en lloc de"
@@ -63,7 +64,7 @@ _CONTRAST = any_of(
     "|ಆದರೆ|ಬದಲು|പക്ഷേ|പകരം|නමුත්|වෙනුවට|tapi|tetapi|namun|melainkan|nhưng|tuy nhiên|thay vì|ngunit|subalit|lakini|badala ya"
     "|kodwa|ariko|waaye|laakiin|engari|tamen|anstataŭ|sepandan|nefa|baina|imma|megjithatë|në vend|მაგრამ|ნაცვლად|բայց"
     "|փոխարեն|ግን|ይልቅ",
-    "但是|不过|不過|可是|而是|改成|换成|換成|只是|でも|しかし|けど|けれど|代わりに|じゃなくて|ではなく|하지만|그런데|근데|그러나"
+    "但是|不过|不過|可是|而是|改成|换成|換成|只是|でも|しかし|けど|けれど|けんど|ばってん|だども|代わりに|じゃなくて|ではなく|하지만|그런데|근데|그러나"
     "|대신|말고|แต่|แทน|ប៉ុន្តែ|ជំនួស|ແຕ່|ແທນ|ဒါပေမဲ့|သို့သော်|အစား",
 )
 # The words for "only"/"just" that soften a request ("perfetto, solo togli il pesce", "רק תוסיף"):
@@ -173,7 +174,9 @@ _IMPERATIVE = re.compile(
     r"(?:be|have|rhyme|sound|read|say|include|mention|use|go|start|end|track|show|list|skip|count|note|log|cover)\b"
     # a request form that opens a clause, or a closing "please" in the commonest languages
     r"|(?:^|[,.!;:\u2014\u2013-]\s*)(?:(?:can|could|would|will) " + _YOU + r"|pls|plz|please)\b"
-    r"|\b(?:please|pls|plz|por favor|bitte|s'il (?:te|vous) pla[iî]t|per favore)\s*[.!]?\s*$)"
+    r"|\b(?:please|pls|plz|por favor|bitte|s'il (?:te|vous) pla[iî]t|per favore)\s*[.!]?\s*$"
+    # a Japanese request form, in any dialect ("回してくれへん？", "考え直してくれんね", "書いてください")
+    r"|[てで](?:くれ|下さい|ください|ほしい|欲しい|ちょうだい|もらえ))"
 )
 
 # A message that opens with thanks or praise: with a request in it, the request is what the user
