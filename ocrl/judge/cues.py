@@ -51,8 +51,8 @@ def any_of(spaced: str, unspaced: str = "") -> re.Pattern[str]:
 # above leave out, written from the languages, by family: Romance, Germanic, Slavic (Latin and
 # Cyrillic), Baltic, Finno-Ugric, Turkic, Greek, Semitic, Iranian, Indic and Dravidian,
 # Austronesian, African, Caucasian, and the scripts written without spaces (with the dialect forms
-# of Japanese "but": けんど, ばってん, だども). Words that are also
-# common English (or another language's common) words are left out ("men", "bet", "ali", "so").
+# of Japanese "but": けんど, ばってん, だども). Words that are also common English (or another
+# language's common) words are left out ("men", "bet", "ali", "so").
 _CONTRAST = any_of(
     "sino|sin embargo|en cambio|jedoch|stattdessen|plutôt|cependant|invece|tuttavia|porém|contudo|em vez disso|en lloc de"
     "|echter|liever|i stället|istället|i stedet|isteden|eerder|in plaas van|ale|jednak|zamiast|však|avšak|místo toho"
