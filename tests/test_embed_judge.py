@@ -449,6 +449,11 @@ def test_a_question_after_thanks_moves_on_in_any_language():
                        ("danke dir! Und wie kumm i dann von Krems nach Dürnstein?", "wie"), ("谢谢！那去机场怎么走？", "怎么")]:
         assert moving_on.thanked_question(text) == word, text
     assert moving_on.thanked_question("arretado, visse! valeu. e lá em Jericoacoara, onde é bom pra ver o pôr do sol?") == "onde"
+    for text, word in [("Idò, moltes gràcies! Ara una altra cosa: a on menjam una bona caldereta a Fornells?", "a on"),  # Menorcan Catalan
+                       ("Kiitos paljon! Entäs missä Vesisaaressa saapi hyvää kalakeittoa?", "missä"),  # Finnish
+                       ("Mersi bokou! Aster, kot nou kapav manz enn bon salad ourit dan Port Mathurin?", "kot"),  # Rodriguan Creole
+                       ("Makasih kali, lae! Terus kalau mau makan BPK yang enak di Berastagi di mana?", "di mana")]:  # Medan Indonesian
+        assert moving_on.thanked_question(text) == word, text
     # a request to the assistant, a question about the answer, no thanks, no question: none
     for text in ["thanks! could you add a line about parking?", "thanks! what about the other one?",
                  "hur långt är det till Tällberg?", "tack! hur långt det är, det visste jag inte"]:
@@ -684,6 +689,7 @@ def test_failure_cues_by_kind_of_tool_output():
         '{"results":[{"id":"a1","status":"ok"},{"id":"b2","status":"timed_out"}]}',  # a failure as a JSON status value
         '{"queued_count":1,"messages":[{"to":"+4477009001","status":"SUCCESS"},{"to":"+4477","status":"INVALID_RECIPIENT"}]}',
         '{"to":"+447700900777","status":"undelivered","error_code":30003}',
+        "Sorry, Tuesday 9:00 with Gwendolyn was booked by someone else while you were choosing.",  # an apology opens a line
         "Certificate Validity (UTC)   expired (2024-05-30 23:59 --> 2024-06-11 10:31)",
         "Found 2 known vulnerabilities in 1 package",  # a scanner's findings
         "/home/june/Downloads/x.pdf.exe: Win.Trojan.Agent-1128449 FOUND",  # ClamAV
@@ -705,6 +711,7 @@ def test_failure_cues_by_kind_of_tool_output():
         "Booked: Pottery for Beginners (Sat 10:00). Places left: 4",
         "Parcel TH-2 \u2022 Delivered 14 Jun 11:52, left in the porch",
         "Found 1 printer: QL-700 on USB",
+        'Found 2 messages:\n1. "Re: sorry I missed you" from Ana',  # an apology quoted inside a line
         "$ npm run lint\n\n> next lint\n\n✔ No ESLint warnings or errors",  # "no" three words before the failure word
         "250 2.1.0 Sender OK",
         "A1 OK LOGIN completed",

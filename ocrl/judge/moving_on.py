@@ -72,7 +72,13 @@ _QUESTION_WORDS = re.compile(
     r"(?i:(?<!\w)(?:how|what|where|when|which|who|hur|vad|när|vilken|vilket|hvordan|hvad|hvor|hvornår|hvilken|wie|was|wo|wann"
     r"|welche[rs]?|wohin|woher|qué|que|cómo|como|dónde|donde|cuándo|cuando|cuál|cual|cuánt[oa]|cuant[oa]|onde|quando|qual|quanto"
     r"|comment|où|quand|quel|quelle|combien|come|dove|quale|jak|gdzie|kiedy|ile|kde|kdy|kolik|hoe|wat|waar|wanneer|welke|ano|saan"
-    r"|paano|kailan|nasıl|nerede|hangi|kifech|kifach|كيف|شلون|وين|أين|متى|كم|چطور|کجا|چند|कैसे|कहाँ|कब|क्या|कितना|कितने)(?!\w))"
+    r"|paano|kailan|nasıl|nerede|hangi|kifech|kifach|كيف|شلون|وين|أين|متى|كم|چطور|کجا|چند|कैसे|कहाँ|कब|क्या|कितना|कितने"
+    # Catalan, Sicilian, Mauritian Creole, Swahili, Malay and Indonesian, Romanian, Hungarian,
+    # Finnish, Estonian, Greek, Russian, Ukrainian, Bosnian-Croatian-Serbian, Hebrew
+    r"|a on|quan|quin|quina|unni|quannu|comu|kot|kouma|wapi|lini|vipi|ngapi|di mana|dimana|bagaimana|gimana|berapa|kapan"
+    r"|unde|când|cât|hol|hogyan|mikor|mennyi|melyik|missä|mistä|miten|milloin|mikä|paljonko|kuinka|kuidas|millal"
+    r"|πού|πώς|πότε|πόσο|где|как|когда|сколько|куда|какой|какая|де|як|коли|скільки|куди|gdje|gde|kako|kada|koliko"
+    r"|איפה|איך|מתי|כמה)(?!\w))"
     r"|怎么|怎樣|怎样|哪|几|幾|什么|甚麼|多少|どう|どこ|いつ|何|いくら|어떻게|어디|언제|몇|뭐|무엇"
 )
 _ASKS_YOU = re.compile(r"(?i:\b(?:can|could|would|will) (?:you|u)\b)")

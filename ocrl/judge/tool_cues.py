@@ -24,6 +24,10 @@ _FAILURE_CUES = (
     r"|(?i:\b(?:rc|exit|exit_?code|exit_?status|return_?code|returncode)\"?\s*[=:]\s*\"?[1-9])|(?i:\btimed_?out\"?\s*[=:]\s*true\b)"
     # a shell's exit status echoed after the command ("$ echo $?" then a number that is not 0: all 20 labelled are failures)
     r"|(?m:^\$ echo \"?(?:exit=|rc=|status=)?\$\?\"?[^\n]*\n\s*(?:exit=|rc=|status=)?[1-9]\d*\s*$)"
+    # a line that opens with an apology ("Sorry, there is a problem", "Unfortunately ..."): all 6
+    # distinct labelled tool outputs with one report a failure ("Sorry, Tuesday 9:00 was booked by
+    # someone else"); inside a line it may be quoted text (a mail's subject), so it is left there
+    r"|(?im:^\W*(?:sorry|unfortunately|we're sorry|we are sorry|apologies|oops)\b)"
     # a line of an order or a batch taken out, with its reason, inside a body that succeeded
     r"|(?i:\[\s*\{[^\]]*?\"status\"\s*:\s*\"(?:cancel+ed|removed|rejected|refused|unavailable|out_of_stock)\"[^\]]*?\"reason\")"
     r"|(?i:\"(?:status|state|result|outcome)\"\s*:\s*\"(?:failed|failure|error|errored|timed_?out|timeout|offline|unreachable|rejected|denied"
