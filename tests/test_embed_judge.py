@@ -339,7 +339,8 @@ def test_imperative_cues_and_signs_of_moving_on():
 def test_contrast_only_and_redo_words_in_scripts_and_languages_beyond_the_commonest():
     # contrast, between spaces or punctuation, also in scripts whose vowel signs are no word characters
     for text, word in [("được rồi, nhưng thêm giờ đến", "nhưng"), ("ok, tapi tambah jam", "tapi"), ("अच्छा है, लेकिन छोटा करो", "लेकिन"),
-                       ("ठीक, परंतु", "परंतु"), ("好的，但是改成三点", "但是"), ("ดีมาก แต่ขอสั้นกว่านี้", "แต่"), ("ωραίο, αλλά βάλε", "αλλά")]:
+                       ("ठीक, परंतु", "परंतु"), ("好的，但是改成三点", "但是"), ("ดีมาก แต่ขอสั้นกว่านี้", "แต่"), ("ωραίο, αλλά βάλε", "αλλά"),
+                       ("diolch yn fawr! Ond well gen i fynd yn y bore", "Ond"), ("Twil barcha! Ken wa9t el lloud, mouch tarikh Sfax", "mouch")]:
         assert cues.edit_cue(text) == word, text
     # names and code are no contrast; nor are thanks and moving on
     for text in ["Ali sent it", "len(list) works", "perfect 👍", "terima kasih banyak!", "धन्यवाद। अब होटल ढूंढो", "ありがとう。次は寿司屋"]:

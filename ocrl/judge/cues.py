@@ -51,8 +51,9 @@ def any_of(spaced: str, unspaced: str = "") -> re.Pattern[str]:
 # above leave out, written from the languages, by family: Romance, Germanic, Slavic (Latin and
 # Cyrillic), Baltic, Finno-Ugric, Turkic, Greek, Semitic, Iranian, Indic and Dravidian,
 # Austronesian, African, Caucasian, and the scripts written without spaces (with the dialect forms
-# of Japanese "but": けんど, ばってん, だども). Words that are also common English (or another
-# language's common) words are left out ("men", "bet", "ali", "so").
+# of Japanese "but": けんど, ばってん, だども; Welsh "ond"; the Maghrebi "not" of Arabizi, "mouch",
+# "machi"). Words that are also common English (or another language's common) words are left out
+# ("men", "bet", "ali", "so").
 _CONTRAST = any_of(
     "sino|sin embargo|en cambio|jedoch|stattdessen|plutôt|cependant|invece|tuttavia|porém|contudo|em vez disso|en lloc de"
     "|echter|liever|i stället|istället|i stedet|isteden|eerder|in plaas van|ale|jednak|zamiast|však|avšak|místo toho"
@@ -62,7 +63,7 @@ _CONTRAST = any_of(
     "|όμως|αντί|אבל|אך|במקום|لكن|ولكن|لكنّ|بدلا|بدلاً|بدل|بس|اما|ولی|به جای|بجای|لیکن|مگر|بلکہ|کے بجائے|بەڵام|لەبری|लेकिन"
     "|मगर|बल्कि|के बजाय|की जगह|पण|परंतु|ऐवजी|तर|बरु|কিন্তু|বরং|বদলে|ਪਰ|ਲੇਕਿਨ|ਦੀ ਬਜਾਏ|પરંતુ|બદલે|ஆனால்|பதிலாக|కానీ|బదులు"
     "|ಆದರೆ|ಬದಲು|പക്ഷേ|പകരം|නමුත්|වෙනුවට|tapi|tetapi|namun|melainkan|nhưng|tuy nhiên|thay vì|ngunit|subalit|lakini|badala ya"
-    "|kodwa|ariko|waaye|laakiin|engari|tamen|anstataŭ|sepandan|nefa|baina|imma|megjithatë|në vend|მაგრამ|ნაცვლად|բայց"
+    "|kodwa|ariko|waaye|laakiin|engari|ond|mouch|machi|tamen|anstataŭ|sepandan|nefa|baina|imma|megjithatë|në vend|მაგრამ|ნაცვლად|բայց"
     "|փոխարեն|ግን|ይልቅ",
     "但是|不过|不過|可是|而是|改成|换成|換成|只是|でも|しかし|けど|けれど|けんど|ばってん|だども|代わりに|じゃなくて|ではなく|하지만|그런데|근데|그러나"
     "|대신|말고|แต่|แทน|ប៉ុន្តែ|ជំនួស|ແຕ່|ແທນ|ဒါပေမဲ့|သို့သော်|အစား",
