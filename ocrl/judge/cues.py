@@ -56,7 +56,7 @@ def any_of(spaced: str, unspaced: str = "") -> re.Pattern[str]:
 # ("men", "bet", "ali", "so").
 _CONTRAST = any_of(
     "sino|sin embargo|en cambio|jedoch|stattdessen|plutôt|cependant|invece|tuttavia|porém|contudo|em vez disso|en lloc de"
-    "|echter|liever|i stället|istället|i stedet|isteden|eerder|in plaas van|ale|jednak|zamiast|však|avšak|místo toho"
+    "|echter|liever|i stället|istället|i stedet|isteden|in plaas van|ale|jednak|zamiast|však|avšak|místo toho"
     "|namísto|namiesto|ampak|vendar|nego|međutim|но|однако|вместо|зато|але|проте|натомість|замість|аднак|замест|обаче|ама"
     "|али|међутим|уместо|него|бірақ|бирок|аммо|вале|гэвч|гэхдээ|харин|ләкин|әмма|mutta|vaan|sen sijaan|aga|kuid|vaid|hoopis"
     "|viszont|hanem|helyett|însă|în loc|tačiau|vietoj|taču|tā vietā|ama|fakat|ancak|yerine|amma|lakin|lekin|ammo|biroq|αλλά"
@@ -146,6 +146,13 @@ def _first_edit(pattern: re.Pattern[str], text: str) -> re.Match[str] | None:
 def edit_cue(text: str) -> str | None:
     """The first word in a user's message that asks for the previous answer to change, or None."""
     match = _first_edit(_EDIT_CUE, text) or _CONTRAST.search(text) or _ONLY.search(text)
+    return match.group(0).strip() if match else None
+
+
+def contrast_elsewhere(text: str) -> str | None:
+    """A word of contrast in a language other than English (`_CONTRAST`: "pero", "tapi", "ond"),
+    or None. The committee reads such languages poorly, so a request with one is read apart."""
+    match = _CONTRAST.search(text)
     return match.group(0).strip() if match else None
 
 

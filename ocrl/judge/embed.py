@@ -21,6 +21,7 @@ from ocrl.judge.committee import MEMBERS, Committee, load_committee, new_member
 from ocrl.judge.cues import (
     announced_edit,
     closing_contrast,
+    contrast_elsewhere,
     dismissive_opening,
     edit_cue,
     exasperated_close,
@@ -173,7 +174,11 @@ def decide(
     ("show the high score under the score": `placement_edit`) or puts its items in another order
     ("sort them by price pls": `reorder_edit`) is never +1 either, nor is one that finds a fault in
     its content ("tui-rs is archived", "magic numbers all over": `faulted_content`), even as a
-    question that seems to move on. A question after
+    question that seems to move on, nor one whose verdict has a word of contrast in another
+    language ("diolch yn fawr! Ond ...", "Teurimong geunaseh! Tapi ...": `contrast_elsewhere`;
+    35 of the 37 distinct labelled user messages with one are negative, the other two a question
+    after thanks that moves on and a Dutch "eerder", earlier, no longer read as a contrast),
+    since the committee reads those languages poorly (in English "but" only raises the guard). A question after
     thanks in any language (`thanked_question`) and an order to send the answer on in another
     (`sends_it`) are +1 from `question_floor` when no cue is in them: the committee reads the
     dialects they come in at p(+1) 0.1-0.5.
@@ -224,6 +229,7 @@ def decide(
             or closing is not None
             or dismissive is not None
             or placed is not None
+            or contrast_elsewhere(before) is not None
         )
         # a closing "too" moves on or adds to the answer ("can you add a veggie filling too?"): the
         # strict guard, or the praise guard after opening praise, as for any request after it
