@@ -703,6 +703,7 @@ def test_failure_cues_by_kind_of_tool_output():
         '{"queued_count":1,"messages":[{"to":"+4477009001","status":"SUCCESS"},{"to":"+4477","status":"INVALID_RECIPIENT"}]}',
         '{"to":"+447700900777","status":"undelivered","error_code":30003}',
         "Sorry, Tuesday 9:00 with Gwendolyn was booked by someone else while you were choosing.",  # an apology opens a line
+        "Uploading 4 photos...\n✔ border_teal_01.jpg\n✔ circles_rust_01.jpg\n✘ hit_and_miss_03.jpg",  # a cross mark
         "Certificate Validity (UTC)   expired (2024-05-30 23:59 --> 2024-06-11 10:31)",
         "Found 2 known vulnerabilities in 1 package",  # a scanner's findings
         "/home/june/Downloads/x.pdf.exe: Win.Trojan.Agent-1128449 FOUND",  # ClamAV
@@ -725,6 +726,7 @@ def test_failure_cues_by_kind_of_tool_output():
         "Parcel TH-2 \u2022 Delivered 14 Jun 11:52, left in the porch",
         "Found 1 printer: QL-700 on USB",
         'Found 2 messages:\n1. "Re: sorry I missed you" from Ana',  # an apology quoted inside a line
+        "http_req_failed................: 0.00%   ✓ 0         ✗ 2400",  # k6: a cross mark that counts
         "$ npm run lint\n\n> next lint\n\n✔ No ESLint warnings or errors",  # "no" three words before the failure word
         "250 2.1.0 Sender OK",
         "A1 OK LOGIN completed",
