@@ -283,7 +283,10 @@ def reorder_edit(text: str) -> str | None:
 # A change announced before it is said ("great. one thing: use grams please", "tiny thing: can we
 # say ...", "one tweak: lose the hashtag"): all 6 labelled user messages with one are change
 # requests, thanks or praise before it included.
-_ANNOUNCED = re.compile(r"(?i:\b(?:one|two|a couple of|a few|tiny|small|minor)\s+(?:small\s+|tiny\s+|minor\s+|little\s+)?(?:thing|change|tweak|nit|fix|edit)s?\s*:)")
+_ANNOUNCED = re.compile(
+    r"(?i:\b(?:one|two|a couple of|a few|tiny|small|minor)\s+(?:small\s+|tiny\s+|minor\s+|little\s+)?"
+    r"(?:thing|change|tweak|nit|fix|edit)s?\s*:)"
+)
 
 
 def announced_edit(text: str) -> str | None:
@@ -372,8 +375,8 @@ def dismissive_opening(text: str) -> str | None:
 # A fault found in the answer's content that no one says of a good one: code that is unreadable,
 # hard-coded or full of magic numbers, or an API, library or call that is deprecated, archived,
 # outdated or removed ("tui-rs is archived. ratatui is the maintained fork"). On the labelled cases
-# all 37 distinct user messages with such a word are corrections, redo requests or complaints; one that
-# thanks may be telling of a fault the answer fixed ("thanks, the deprecated call is gone").
+# all 37 distinct user messages with such a word are corrections, redo requests or complaints; one
+# that thanks may be telling of a fault the answer fixed ("thanks, the deprecated call is gone").
 _FAULTED = re.compile(
     r"(?i:\b(?:unreadable|deprecated|archived|unmaintained|no longer maintained|outdated|obsolete|spaghetti"
     r"|magic numbers?|hard-?coded|hard coded|(?:was|were|got|been|is|are) removed|removed in)\b)"

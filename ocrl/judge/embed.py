@@ -178,10 +178,10 @@ def decide(
     language ("diolch yn fawr! Ond ...", "Teurimong geunaseh! Tapi ...": `contrast_elsewhere`;
     35 of the 37 distinct labelled user messages with one are negative, the other two a question
     after thanks that moves on and a Dutch "eerder", earlier, no longer read as a contrast),
-    since the committee reads those languages poorly (in English "but" only raises the guard). A question after
-    thanks in any language (`thanked_question`) and an order to send the answer on in another
-    (`sends_it`) are +1 from `question_floor` when no cue is in them: the committee reads the
-    dialects they come in at p(+1) 0.1-0.5.
+    since the committee reads those languages poorly (in English "but" only raises the guard). A
+    question after thanks in any language (`thanked_question`) and an order to send the answer on
+    in another (`sends_it`) are +1 from `question_floor` when no cue is in them: the committee
+    reads the dialects they come in at p(+1) 0.1-0.5.
     Chosen by 5-fold cross-validation on the fit cases, first for a linear head over frozen embeddings
     (on 2,576 cases a single 0.7 guard on `edit_cue` alone scored 0.920 with 10 corrections at
     +1, the two guards with the redo cue 0.920 with 5), then kept for the fine-tuned classifier:
