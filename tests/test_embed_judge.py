@@ -498,11 +498,12 @@ def test_a_change_to_the_order_of_the_answer_is_never_plus_one():
     certain = {1: 0.97, -1: 0.02, 0: 0.01}
     for text, clause in [("list the merchant parts from cheapest to dearest pls", "list the merchant parts from cheapest to dearest"),
                          ("lovely. sort them alphabetically", "sort them alphabetically"), ("cheapest first please", "cheapest first"),
-                         ("sort it by surname pls", "sort it by"), ("put them in date order", "put them in date order")]:
+                         ("sort it by surname pls", "sort it by"), ("put them in date order", "put them in date order"),
+                         ("sort it by month rather than by job", "sort it by")]:
         assert cues.reorder_edit(text) == clause, text
         assert embed_judge.decide(certain, text, "user")[0] != 1, text
     # an order to act on it by a time, and a new request that sorts, are no reordering
-    for text in ["order it by friday", "order the 1500 bag", "tests pass. add a leaderboard endpoint sorted by rating"]:
+    for text in ["order it by friday", "order it by wednesday", "order the 1500 bag", "tests pass. add a leaderboard endpoint sorted by rating"]:
         assert cues.reorder_edit(text) is None, text
         assert embed_judge.decide(certain, text, "user") == (1, None), text
     assert embed_judge.decide(certain, "records show up 🎉 next: a dropdown to sort them by year", "user") == (1, None)

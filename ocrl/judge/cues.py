@@ -262,9 +262,13 @@ def placement_edit(text: str) -> str | None:
 
 # A clause that puts the answer's items in another order ("sort them by price pls", "list the parts
 # from cheapest to dearest", "cheapest first please"): a change to its layout. On the labelled cases
-# 37 of the 39 distinct user messages with one are change requests; the 2 next tasks move on to a
-# new request that sorts ("next: a dropdown to sort them by year"), which `decide` reads apart.
-_BY_WHEN = r"(?:tomorrow|tonight|today|noon|midnight|the end|end of|next|this|\d|mon|tue|wed|thu|fri|sat|sun)"
+# 38 of the 40 distinct user messages with one are change requests; the 2 next tasks move on to a
+# new request that sorts ("next: a dropdown to sort them by year"), which `decide` reads apart. "By"
+# a day or a time orders nothing ("order it by friday"); "by month" does.
+_BY_WHEN = (
+    r"(?:(?:tomorrow|tonight|today|noon|midnight|the end|end of|next|this|monday|tuesday|wednesday|thursday|friday|saturday"
+    r"|sunday|mon|tues?|wed|thu|thurs|fri|sat|sun)\b|\d)"
+)
 _REORDER = re.compile(
     rf"(?i:\b(?:sort|rank|arrange|list|order)\b(?:\s+(?:it|them|those|these|the\s+[\w-]+))?\s+by\s+(?!{_BY_WHEN})"
     r"|\b(?:sort|rank|arrange|list|put|order)\b[^.!?\n]{0,40}?\b(?:alphabetically|in (?:[\w-]+ )?order\b"
