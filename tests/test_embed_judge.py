@@ -460,6 +460,19 @@ def test_a_long_message_in_words_the_encoder_does_not_know_is_plus_one_only_when
     assert cues.unread_words("the the the the the the the the", vocabulary=frozenset({"the"})) is None
 
 
+def test_a_bare_statement_is_plus_one_only_when_the_committee_is_surest():
+    # a contrary fact: no word of approval, no thanks, no emoji, no question, no request
+    fact = "the blue wire goes on the left terminal"
+    assert cues.bare_statement(fact) == fact
+    assert embed_judge.decide({1: 0.9, -1: 0.08, 0: 0.02}, fact, "user") == (-1, "a bare statement, p(+1) < 0.95")
+    assert embed_judge.decide({1: 0.97, -1: 0.02, 0: 0.01}, fact, "user") == (1, None)
+    assert embed_judge.decide({1: 0.9, -1: 0.08, 0: 0.02}, fact, "tool") == (1, None)
+    for text in ["perfect, the blue wire goes on the left", "ta, the blue wire goes on the left", "buy the blue one",
+                 "ok deploy that", fact + " 👍", "does the blue wire go on the left?", "Ny tariby manga dia mankany amin ny ankavia"]:
+        assert cues.bare_statement(text) is None, text
+        assert embed_judge.decide({1: 0.9, -1: 0.08, 0: 0.02}, text, "user") == (1, None), text
+
+
 def test_a_question_after_thanks_moves_on_in_any_language():
     for text, word in [("Tack så mytji! Hur långt ä dä ti gå längs Siljan fre Tällberg då?", "Hur"),
                        ("listo, gracias mi niño. ¿y qué guagua cojo pa subir al Teide desde La Laguna?", "qué"),

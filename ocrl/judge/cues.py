@@ -3,12 +3,13 @@ embed.py) reads beside the classifier: a message that asks for an edit of the pr
 (`edit_cue`, `imperative_cue`, `softened_request`, `placement_edit`, `reorder_edit`,
 `announced_edit`) or for it again (`redo_cue`), that opens with thanks or praise
 (`praise_opening`), waves the answer away (`dismissive_opening`, `exasperated_close`), finds a
-fault in its content (`faulted_content`) or closes on a contrast (`closing_contrast`), or is
-written in a script the encoder cannot read (`unread_script`) or in words its vocabulary lacks
-(`unread_words`); the word lists the cues share (`THANKS`, `any_of`); and emoji spelt out as
-words for the encoder (`spell_emoji`). Each returns the matched text (or the rewritten text) and
-knows nothing of the classifier, its fit or the rule. The cues that a message moves on or acts on the answer are in moving_on.py, those in tool
-output in tool_cues.py.
+fault in its content (`faulted_content`), closes on a contrast (`closing_contrast`) or only
+states something (`bare_statement`), or is written in a script the encoder cannot read
+(`unread_script`) or in words its vocabulary lacks (`unread_words`); the word lists the cues
+share (`THANKS`, `any_of`); and emoji spelt out as words for the encoder (`spell_emoji`). Each
+returns the matched text (or the rewritten text) and knows nothing of the classifier, its fit or
+the rule. The cues that a message moves on or acts on the answer are in moving_on.py, those in
+tool output in tool_cues.py.
 """
 
 from __future__ import annotations
@@ -437,6 +438,42 @@ def unread_words(text: str, vocabulary: frozenset[str] | None = None) -> str | N
 
 UNREAD_MIN_WORDS = 8
 UNREAD_KNOWN_SHARE = 0.6
+
+
+# What makes a user's message in English more than a bare statement: a word of approval or
+# acknowledgement, an exclamation or smiley (`_APPROVAL`), or a clause that opens with a verb of
+# acting on the answer or editing it (`_ACTING_VERBS`, `_EDIT_VERBS`: "buy it", "deploy that").
+_APPROVAL = re.compile(
+    r"(?i:\b(?:great|perfect|nice|nicely|good|love|loved|awesome|cool|ok|okay|yes|yep|yup|yeah|lgtm|works?|worked|working|runs?|ran"
+    r"|fine|exactly|brilliant|brill|excellent|amazing|sweet|neat|legend|right|correct|spot on|ace|lovely|wonderful|fantastic"
+    r"|helpful|helps|helped|clear|done|fixed|sorted|passes|passed|green|beautiful|gorgeous|superb|solid|clean|wow|yay|sure"
+    r"|agreed?|genius|best|top|fab|magic|banger|fire|slaps|hero|champ|saved?|lifesaver|appreciated?|kudos|bravo|impressive"
+    r"|grand|sound|deal|sold|noted|bless|obliged|crisp|smart|smarter|well|bang on|the one|it is|k|kk|alright|got it"
+    r"|makes sense|suits|fair|bingo|this is it|useful|ta|ty|thx|cheers|chef'?s kiss)\b|!|:\)|:d\b|;\))"
+)
+_ACTING_VERBS = (
+    "buy order deploy publish post print send email submit pay book confirm reserve stick lock share push upload grab get "
+    "pop chuck paste reply accept go ship export remind find draw plot run save file forward text message ring take pick "
+    "adopt approve proceed merge commit release install chart fill"
+)
+_CLAUSE_OPENING = re.compile(r"(?:^|[.,!;:\n]\s*)(?:(?:pls|please|plz|just|and|then|now|so|ok|k)\s+)*([a-z]+)", re.IGNORECASE)
+
+
+def bare_statement(text: str) -> str | None:
+    """The text of a user's message in English (most of its words, 80%, the encoder's) that only
+    states something: no word of approval or thanks (`_APPROVAL`, `THANKS`), no emoji, no
+    question, no clause opening with a verb of acting on the answer or editing it. A contrary
+    fact ("shiny side goes UP", "direct sun cooks a sealed terrarium") is one; `decide` rewards
+    one only when the committee is surest. The caller checks it does not move on."""
+    if _APPROVAL.search(text) or THANKS.search(text) or "?" in text or any(_is_emoji(ord(char)) for char in text):
+        return None
+    words = [word for word in re.findall(r"[^\W\d_]+", text.lower()) if len(word) > 1]
+    if not words or sum(word in encoder_words() for word in words) < 0.8 * len(words):
+        return None
+    verbs = _ACTING_VERBS.split() + " ".join(_EDIT_VERBS).split()
+    if any(match.group(1).lower() in verbs for match in _CLAUSE_OPENING.finditer(text)):
+        return None
+    return text.strip()
 
 
 @functools.cache

@@ -20,6 +20,7 @@ from ocrl.judge.classifier import FIT_DATA, LABELS, FitSettings, Item, item_of, 
 from ocrl.judge.committee import MEMBERS, Committee, load_committee, new_member
 from ocrl.judge.cues import (
     announced_edit,
+    bare_statement,
     closing_contrast,
     contrast_elsewhere,
     dismissive_opening,
@@ -174,7 +175,10 @@ def decide(
     eight words or more, most of which the encoder's vocabulary lacks (`unread_words`: Romansh,
     Lingala, Tamil typed in Latin letters): on the shipped committee's probabilities over the 26
     spent sets not in the fit data it takes the corrections at +1 from 9 to 5 (6 decisions
-    righted, 5 thanks and next tasks lost), on the fit data it changes nothing. A message that
+    righted, 5 thanks and next tasks lost), on the fit data it changes nothing. A bare statement
+    in English (`bare_statement`: no word of approval or thanks, no emoji, question or request;
+    "shiny side goes UP", a contrary fact) that does not move on is +1 only from `praise_guard`:
+    over the same sets 3 decisions righted (two corrections at +1), 1 lost. A message that
     closes on "come on" (`exasperated_close`), places something of the answer in its layout
     ("show the high score under the score": `placement_edit`) or puts its items in another order
     ("sort them by price pls": `reorder_edit`) is never +1 either, nor is one that finds a fault in
@@ -248,6 +252,8 @@ def decide(
             script = unread_script(next_state)
             unread = f"{script.lower()} script" if script is not None else unread_words(next_state)
             rule = None if unread is None else f"{unread}, p(+1) < {strict_guard}"
+        if rule is None and probs[1] < praise_guard and on is None and bare_statement(next_state) is not None:
+            rule = f"a bare statement, p(+1) < {praise_guard}"
     ranked = sorted(LABELS, key=probs.__getitem__, reverse=True)
     if rule is not None and ranked[0] == 1:
         ranked.remove(1)
