@@ -800,6 +800,8 @@ def test_failure_cues_by_kind_of_tool_output():
         " [OK] Purged 1284 expired sessions (0 errors).",  # what a clean-up removed
         '{"booking": "B-12", "status": "cancelled", "refund": "£40.00"}',  # a cancellation asked for, done
         "[saving current Lisp image into app:\nwriting 0 bytes from the read-only space at 0x50000000\ndone]",  # SBCL
+        "Packet PK-33 COMPLETED\nSigned by: both parties\nDeclined: 0  Voided: 0",  # a zero count of signers who declined
+        " -> DATA\n<-  250 2.0.0 Ok: queued as 8QwX\n -> QUIT\n<-  221 2.0.0 Bye\n=== Connection closed with remote host.",  # SMTP's end
     ]
     for text in successes:
         assert tool_cues.tool_failure(text) is None, text
@@ -807,6 +809,9 @@ def test_failure_cues_by_kind_of_tool_output():
     # words that are not searched for, or a command that does not search, still count
     assert tool_cues.tool_failure("$ grep -n 'FAILED' runs.log\ngrep: runs.log: No such file or directory") == "No such"
     assert tool_cues.tool_failure("$ make all\nmake: *** [Makefile:4: all] Error 2") == "make: ***"
+    # a connection closed before the session ended is still a failure, and so is a count of refusals over zero
+    assert tool_cues.tool_failure("ssh: kex_exchange_identification: Connection closed by remote host") == "Connection closed"
+    assert tool_cues.tool_failure("Packet PK-34\nDeclined: 1  Voided: 0") == "Declined"
 
 
 def test_tool_output_that_reports_no_outcome_yet_is_zero():

@@ -123,6 +123,8 @@ def tool_failure(text: str) -> str | None:
             continue
         if _REMOVED_BEFORE.search(text[max(0, match.start() - 40) : match.start()]):
             continue
+        if word.startswith("connection closed") and _SESSION_ENDED.search(text[: match.start()]):
+            continue
         if not _zero_count(text, match):
             return " ".join(match.group(0).split())  # one line: "$ echo $?\n1" -> "$ echo $? 1"
     return None
@@ -130,7 +132,9 @@ def tool_failure(text: str) -> str | None:
 
 # what a clean-up removed is no failure of it: "Purged 1284 expired sessions", "removed 3 failed jobs"
 _REMOVED_BEFORE = re.compile(r"(?i:\b(?:purged|removed|deleted|cleaned up|cleared|pruned|evicted|archived) [\d,]+ $)")
-_COUNTED = re.compile(r"(?i:errors|failed|failures?|fails?|rejected|conflicts?|unavailable|out[_ ]of[_ ]stock)")
+# a connection closed after the client ended the session (SMTP's QUIT answered "221 ... Bye")
+_SESSION_ENDED = re.compile(r"\bQUIT\b[\s\S]*\b221\b")
+_COUNTED = re.compile(r"(?i:errors|failed|failures?|fails?|rejected|declined|conflicts?|unavailable|out[_ ]of[_ ]stock)")
 _ZERO_AFTER = re.compile(r"(?i:\s*(?:summary|count|total|[a-z]+(?=\s*[:=|]))?(?:\W{0,4}|[\s:.]{5,80})\s*(?:0|\[\]|\{\}|none|null|no (?:\w+ ){0,2}(?:errors?|failures?)\b)(?![\w%]|[.,]\d))")
 # "0" or "no" up to three words before the word ("No ESLint warnings or errors")
 _ZERO_BEFORE = re.compile(r"(?i:\b(?:0|no) (?:[a-z]+ ){1,3}$)")
