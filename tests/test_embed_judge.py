@@ -707,6 +707,8 @@ def test_failure_cues_by_kind_of_tool_output():
         "api-5d8f 0/1 ErrImagePull 0 1m",
         '{"exit_code": 124, "stdout": "scanned 18 files", "stderr": "", "timed_out": true}',  # an exit code as a JSON field
         '{"returncode": 2}',
+        "$ lpstat -p office_laser\nprinter office_laser disabled since Tue 4 Mar 2025 08:02:11 GMT -",  # CUPS: a printer stopped
+        "Tray 2: paper jam. Open door B",
         '{"timed_out": true}',
         "web1 : ok=3 changed=0 unreachable=1 failed=0 skipped=0",  # the same recap with a host down
         "web1 : ok=3 changed=0 unreachable=0 failed=2 skipped=0",
@@ -800,6 +802,8 @@ def test_failure_cues_by_kind_of_tool_output():
         " [OK] Purged 1284 expired sessions (0 errors).",  # what a clean-up removed
         '{"booking": "B-12", "status": "cancelled", "refund": "£40.00"}',  # a cancellation asked for, done
         "[saving current Lisp image into app:\nwriting 0 bytes from the read-only space at 0x50000000\ndone]",  # SBCL
+        "printer office_laser is idle.  enabled since Tue 4 Mar 2025 08:02:11 GMT",  # lpstat of a printer that works
+        "Tree-shaking can be disabled by providing the --no-tree-shake-icons flag",
         "Packet PK-33 COMPLETED\nSigned by: both parties\nDeclined: 0  Voided: 0",  # a zero count of signers who declined
         " -> DATA\n<-  250 2.0.0 Ok: queued as 8QwX\n -> QUIT\n<-  221 2.0.0 Bye\n=== Connection closed with remote host.",  # SMTP's end
     ]
