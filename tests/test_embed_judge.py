@@ -839,6 +839,7 @@ def test_tool_output_that_reports_no_outcome_yet_is_zero():
         "ℹ Deployment task 4118 started; not waiting for it to finish.",
         "> ls ~/scans | where name =~ 'failed'\n╭────────────╮\n│ empty list │\n╰────────────╯",  # nushell: the command's words are no failure
         "Search: 0 result(s) found for 'tide'",
+        'No products matched "brass hinges".',  # an empty shop search
         "$ redis-cli BGSAVE\nBackground saving started",
         'HTTP/1.1 201 Created\n{"detail": "Request accepted", "estimatedSeconds": 5}',
         "   Compiling glam v0.27.0\n   Compiling miniquad v0.4.8\n    Building [=====>   ] 41/97: quad-snd",  # stops on work under way

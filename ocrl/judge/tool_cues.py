@@ -181,7 +181,7 @@ _EMPTY_LISTS = r"items|results?|matches|hits|records|rows|events|entries|contact
 _ZERO_TOTALS = r"total|count|total_?count|totalResults|totalElements|total_results|resultCount|result_count|hits|num_?found|numFound|matches"
 _FOUND_NOUNS = (
     r"results?|matches|hits|entries|items|records|events|contacts|messages|conversations|documents|snapshots|tasks|tickets"
-    r"|orders|bookings|appointments|flights|emails|notes|posts|users|objects|jobs|containers|pods"
+    r"|orders|bookings|appointments|flights|emails|notes|posts|users|objects|jobs|containers|pods|products|listings|rooms|slots"
 )
 # a command that checks and prints nothing when all is well: linters, formatters in check mode, type checkers
 _CHECKER = r"(?i:--check\b|--lint\w*|--noEmit\b|\b(?:lint|\w+lint|shellcheck|mypy|ruff|flake8|clippy|tsc|vet|validate|verify)\b)"
