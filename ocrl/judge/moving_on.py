@@ -23,7 +23,7 @@ from ocrl.judge.cues import CLOSING_QUESTION, THANKS, any_of
 # ("that tells me nothing, give me a number": three complaints).
 _MOVES_ON = (
     re.compile(
-        r"(?i:\b((?<!right )(?<!just )(?<!for )(?<!by )(?<!until )(?<!till )(?<!from )now(?!\s*(?:[.!;)]|$))|next(?! to\b| time\b)|then|(?<!\bit )(?<!\bthis )(?<!\bthat )also|ahora|luego|también|jetzt|dann|danach|auch|maintenant|ensuite|aussi|adesso|poi|anche"
+        r"(?i:\b((?<!right )(?<!just )(?<!for )(?<!by )(?<!until )(?<!till )(?<!from )now(?!\s*(?:[.!;)]|[^\w\s]*\s*$))|next(?! to\b| time\b)|then|(?<!\bit )(?<!\bthis )(?<!\bthat )also|ahora|luego|también|jetzt|dann|danach|auch|maintenant|ensuite|aussi|adesso|poi|anche"
         r"|agora|depois|também|nu|daarna|ook|nå|også|också|teraz|też|także|teď|ted|také|nyt|myös|şimdi|ayrıca|acum|τώρα|επίσης"
         r"|too(?=\s*(?:[?.!,]|$))|as well|same|moving on|on to|onto|new task|let'?s|after that|another thing|one more thing)\b)"
     ),
