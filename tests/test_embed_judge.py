@@ -546,11 +546,14 @@ def test_a_fault_found_in_the_content_of_the_answer_is_never_plus_one():
     for text, word in [("tui-rs is archived. ratatui is the maintained fork", "archived"),
                        ("what are 34, 212 and 0.8 doing hardcoded in the middle of that function", "hardcoded"),
                        ("what is 37, what is 412... magic numbers all over the place", "magic numbers"),
-                       ("that was removed ages ago", "was removed"), ("st.cache is deprecated", "deprecated")]:
+                       ("that was removed ages ago", "was removed"), ("st.cache is deprecated", "deprecated"),
+                       ("ok, sunscreen. five times in one answer", "five times in one answer"),  # the same thing over and over
+                       ("you've said it 6 times, I know", "you've said it 6 times")]:
         assert cues.faulted_content(text) == word, text
         assert embed_judge.decide(sure, text, "user")[0] != 1, text
     # one that thanks may tell of a fault the answer fixed
     assert cues.faulted_content("thanks, the deprecated call is gone and it runs") is None
+    assert cues.faulted_content("she said three times she would ring back") is None  # not said in the answer
     assert embed_judge.decide(sure, "thanks, the deprecated call is gone and it runs", "user") == (1, None)
 
 
@@ -712,6 +715,7 @@ def test_failure_cues_by_kind_of_tool_output():
         '{"returncode": 2}',
         "$ lpstat -p office_laser\nprinter office_laser disabled since Tue 4 Mar 2025 08:02:11 GMT -",  # CUPS: a printer stopped
         "Tray 2: paper jam. Open door B",
+        "ALERT Garage fridge 9.1 °C (threshold 5 °C) for 30 min",  # a monitor's alert
         '{"timed_out": true}',
         "web1 : ok=3 changed=0 unreachable=1 failed=0 skipped=0",  # the same recap with a host down
         "web1 : ok=3 changed=0 unreachable=0 failed=2 skipped=0",
@@ -807,6 +811,7 @@ def test_failure_cues_by_kind_of_tool_output():
         "[saving current Lisp image into app:\nwriting 0 bytes from the read-only space at 0x50000000\ndone]",  # SBCL
         "printer office_laser is idle.  enabled since Tue 4 Mar 2025 08:02:11 GMT",  # lpstat of a printer that works
         "Tree-shaking can be disabled by providing the --no-tree-shake-icons flag",
+        "Alert: 10 minutes before the event",  # a calendar event's reminder setting
         "Packet PK-33 COMPLETED\nSigned by: both parties\nDeclined: 0  Voided: 0",  # a zero count of signers who declined
         " -> DATA\n<-  250 2.0.0 Ok: queued as 8QwX\n -> QUIT\n<-  221 2.0.0 Bye\n=== Connection closed with remote host.",  # SMTP's end
     ]

@@ -381,12 +381,17 @@ def dismissive_opening(text: str) -> str | None:
 
 # A fault found in the answer's content that no one says of a good one: code that is unreadable,
 # hard-coded or full of magic numbers, or an API, library or call that is deprecated, archived,
-# outdated or removed ("tui-rs is archived. ratatui is the maintained fork"). On the labelled cases
+# outdated or removed ("tui-rs is archived. ratatui is the maintained fork"), or the same thing said
+# over and over in it ("six times in one answer": 6 of 6 labelled complaints). On the labelled cases
 # all 37 distinct user messages with such a word are corrections, redo requests or complaints; one
 # that thanks may be telling of a fault the answer fixed ("thanks, the deprecated call is gone").
 _FAULTED = re.compile(
     r"(?i:\b(?:unreadable|deprecated|archived|unmaintained|no longer maintained|outdated|obsolete|spaghetti"
-    r"|magic numbers?|hard-?coded|hard coded|(?:was|were|got|been|is|are) removed|removed in)\b)"
+    r"|magic numbers?|hard-?coded|hard coded|(?:was|were|got|been|is|are) removed|removed in"
+    # the same thing said again and again in it ("six times in one answer", "you've said it 4 times")
+    r"|(?:twice|(?:three|four|five|six|seven|eight|nine|ten|\d+) times) in (?:one|a single|the same|1|your|that|this|one single)"
+    r" (?:answer|message|reply|response|list|paragraph|page|post)|you(?:'ve| have)? (?:said|told me|mentioned) (?:(?:it|that|this) )?(?:three|four|five"
+    r"|six|seven|eight|nine|ten|\d+) times)\b)"
 )
 
 
