@@ -467,6 +467,8 @@ def test_a_bare_statement_is_plus_one_only_when_the_committee_is_surest():
     # a contrary fact: no word of approval, no thanks, no emoji, no question, no request
     fact = "the blue wire goes on the left terminal"
     assert cues.bare_statement(fact) == fact
+    # names the encoder does not know in an English statement (7 of its 10 words are its)
+    assert cues.bare_statement("that's tan sau. bong sau's the wing one, elbow up") is not None
     assert embed_judge.decide({1: 0.9, -1: 0.08, 0: 0.02}, fact, "user") == (-1, "a bare statement, p(+1) < 0.95")
     assert embed_judge.decide({1: 0.97, -1: 0.02, 0: 0.01}, fact, "user") == (1, None)
     assert embed_judge.decide({1: 0.9, -1: 0.08, 0: 0.02}, fact, "tool") == (1, None)
@@ -813,6 +815,7 @@ def test_failure_cues_by_kind_of_tool_output():
         "Tree-shaking can be disabled by providing the --no-tree-shake-icons flag",
         "Alert: 10 minutes before the event",  # a calendar event's reminder setting
         "Packet PK-33 COMPLETED\nSigned by: both parties\nDeclined: 0  Voided: 0",  # a zero count of signers who declined
+        "Payment received\nAmount: £12.00\nDeclined: no",  # a flag that is no
         " -> DATA\n<-  250 2.0.0 Ok: queued as 8QwX\n -> QUIT\n<-  221 2.0.0 Bye\n=== Connection closed with remote host.",  # SMTP's end
     ]
     for text in successes:
@@ -824,6 +827,7 @@ def test_failure_cues_by_kind_of_tool_output():
     # a connection closed before the session ended is still a failure, and so is a count of refusals over zero
     assert tool_cues.tool_failure("ssh: kex_exchange_identification: Connection closed by remote host") == "Connection closed"
     assert tool_cues.tool_failure("Packet PK-34\nDeclined: 1  Voided: 0") == "Declined"
+    assert tool_cues.tool_failure("Declined: no card on file") == "Declined"
 
 
 def test_tool_output_that_reports_no_outcome_yet_is_zero():

@@ -465,7 +465,7 @@ _CLAUSE_OPENING = re.compile(r"(?:^|[.,!;:\n]\s*)(?:(?:pls|please|plz|just|and|t
 
 
 def bare_statement(text: str) -> str | None:
-    """The text of a user's message in English (most of its words, 80%, the encoder's) that only
+    """The text of a user's message in English (most of its words, 70%, the encoder's) that only
     states something: no word of approval or thanks (`_APPROVAL`, `THANKS`), no emoji, no
     question, no clause opening with a verb of acting on the answer or editing it. A contrary
     fact ("shiny side goes UP", "direct sun cooks a sealed terrarium") is one; `decide` rewards
@@ -473,7 +473,7 @@ def bare_statement(text: str) -> str | None:
     if _APPROVAL.search(text) or THANKS.search(text) or "?" in text or any(_is_emoji(ord(char)) for char in text):
         return None
     words = [word for word in re.findall(r"[^\W\d_]+", text.lower()) if len(word) > 1]
-    if not words or sum(word in encoder_words() for word in words) < 0.8 * len(words):
+    if not words or sum(word in encoder_words() for word in words) < 0.7 * len(words):
         return None
     verbs = _ACTING_VERBS.split() + " ".join(_EDIT_VERBS).split()
     if any(match.group(1).lower() in verbs for match in _CLAUSE_OPENING.finditer(text)):

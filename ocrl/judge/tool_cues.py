@@ -139,7 +139,7 @@ _REMOVED_BEFORE = re.compile(r"(?i:\b(?:purged|removed|deleted|cleaned up|cleare
 # a connection closed after the client ended the session (SMTP's QUIT answered "221 ... Bye")
 _SESSION_ENDED = re.compile(r"\bQUIT\b[\s\S]*\b221\b")
 _COUNTED = re.compile(r"(?i:errors|failed|failures?|fails?|rejected|declined|conflicts?|unavailable|out[_ ]of[_ ]stock)")
-_ZERO_AFTER = re.compile(r"(?i:\s*(?:summary|count|total|[a-z]+(?=\s*[:=|]))?(?:\W{0,4}|[\s:.]{5,80})\s*(?:0|\[\]|\{\}|none|null|no (?:\w+ ){0,2}(?:errors?|failures?)\b)(?![\w%]|[.,]\d))")
+_ZERO_AFTER = re.compile(r"(?i:\s*(?:summary|count|total|[a-z]+(?=\s*[:=|]))?(?:\W{0,4}|[\s:.]{5,80})\s*(?:0|\[\]|\{\}|none|null|no(?=[ \t]*(?:\n|$))|no (?:\w+ ){0,2}(?:errors?|failures?)\b)(?![\w%]|[.,]\d))")
 # "0" or "no" up to three words before the word ("No ESLint warnings or errors")
 _ZERO_BEFORE = re.compile(r"(?i:\b(?:0|no) (?:[a-z]+ ){1,3}$)")
 _SUMMARY_HEAD = re.compile(r"(?i:\s+(?:summary|count|total)\b)")
