@@ -430,6 +430,10 @@ def test_a_message_that_waves_the_answer_away_is_never_plus_one():
     assert cues.exasperated_close("20 warnings and 3 steps, come on") == "come on"
     assert embed_judge.decide(certain, "20 warnings and 3 steps, come on", "user")[0] != 1
     assert cues.exasperated_close("now make the porch light come on at sunset every day") is None
+    # nor is one that rolls its eyes, however it is worded; a facepalm before thanks laughs at oneself
+    assert cues.eye_roll("oh great, a twelve-step plan for boiling an egg 🙄") == "🙄"
+    assert embed_judge.decide(certain, "wow, thanks, so helpful 🙄", "user")[0] != 1
+    assert cues.eye_roll("it was the sticker 🤦 thank u") is None
 
 
 def test_a_message_in_a_script_the_encoder_cannot_read_is_plus_one_only_when_the_committee_is_sure():

@@ -2,14 +2,14 @@
 embed.py) reads beside the classifier: a message that asks for an edit of the previous answer
 (`edit_cue`, `imperative_cue`, `softened_request`, `placement_edit`, `reorder_edit`,
 `announced_edit`) or for it again (`redo_cue`), that opens with thanks or praise
-(`praise_opening`), waves the answer away (`dismissive_opening`, `exasperated_close`), finds a
-fault in its content (`faulted_content`), closes on a contrast (`closing_contrast`) or only
-states something (`bare_statement`), or is written in a script the encoder cannot read
-(`unread_script`) or in words its vocabulary lacks (`unread_words`); the word lists the cues
-share (`THANKS`, `any_of`); and emoji spelt out as words for the encoder (`spell_emoji`). Each
-returns the matched text (or the rewritten text) and knows nothing of the classifier, its fit or
-the rule. The cues that a message moves on or acts on the answer are in moving_on.py, those in
-tool output in tool_cues.py.
+(`praise_opening`), waves the answer away (`dismissive_opening`, `exasperated_close`,
+`eye_roll`), finds a fault in its content (`faulted_content`), closes on a contrast
+(`closing_contrast`) or only states something (`bare_statement`), or is written in a script the
+encoder cannot read (`unread_script`) or in words its vocabulary lacks (`unread_words`); the
+word lists the cues share (`THANKS`, `any_of`); and emoji spelt out as words for the encoder
+(`spell_emoji`). Each returns the matched text (or the rewritten text) and knows nothing of the
+classifier, its fit or the rule. The cues that a message moves on or acts on the answer are in
+moving_on.py, those in tool output in tool_cues.py.
 """
 
 from __future__ import annotations
@@ -364,6 +364,19 @@ def exasperated_close(text: str) -> str | None:
     """The "come on" a user's message closes on, or None."""
     match = _EXASPERATED.search(text)
     return match.group(0).strip(" ,.!?;:") if match else None
+
+
+# An eye-roll (🙄, 😒) anywhere in a user's message: of the 24 distinct labelled user messages with
+# one, 20 complain or correct and 4 are off-topic grumbles ("my neighbour is mowing at 7am again
+# 🙄"); none approves, however it is worded ("cheers, very encouraging 🙄"). A facepalm (🤦) is
+# left out: most often the user laughs at their own mistake before thanks.
+_EYE_ROLL = re.compile("[\U0001F644\U0001F612]")
+
+
+def eye_roll(text: str) -> str | None:
+    """The eye-roll emoji in a user's message, or None."""
+    match = _EYE_ROLL.search(text)
+    return match.group(0) if match else None
 
 
 # A message that opens by waving the answer away ("meh.", "nah", "nope"): on the labelled cases all

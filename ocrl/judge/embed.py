@@ -26,6 +26,7 @@ from ocrl.judge.cues import (
     dismissive_opening,
     edit_cue,
     exasperated_close,
+    eye_roll,
     faulted_content,
     imperative_cue,
     placement_edit,
@@ -166,7 +167,8 @@ def decide(
     "spot on. dispose of it properly though", `closing_contrast`) are never +1; and no user
     message is +1 below `positive_floor`, cue or none, but a new question of the user's own
     (`new_question`), which is +1 from `question_floor` unless a correction leads. A message that
-    opens by waving the answer away ("meh. rebuild it ...": `dismissive_opening`) is never +1, and
+    opens by waving the answer away ("meh. rebuild it ...": `dismissive_opening`) or rolls its eyes
+    ("cheers, very encouraging 🙄": `eye_roll`) is never +1, and
     one written mostly in a script the encoder cannot read (`unread_script`: Devanagari, CJK,
     Hangul, ...) is +1 only from `strict_guard`: on the committee's probabilities over the
     seventeen spent blind sets not in the fit data (12, 14-29; 5,525 cases) the two take the
@@ -216,7 +218,7 @@ def decide(
         softened = None if on else softened_request(next_state)
         closing = closing_contrast(next_state)
         faulted = faulted_content(next_state)
-        dismissive = dismissive_opening(next_state) or exasperated_close(next_state) or faulted
+        dismissive = dismissive_opening(next_state) or exasperated_close(next_state) or eye_roll(next_state) or faulted
         placed = (None if on else placement_edit(next_state) or reorder_edit(next_state)) or announced_edit(next_state)
         cue = edit or redo or verb or closing or dismissive or placed
         # moving on relaxes the guard only for edit words in the new request, not in the verdict before it
