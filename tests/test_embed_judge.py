@@ -312,6 +312,7 @@ def test_imperative_cues_and_signs_of_moving_on():
     assert moving_on.verdict_part("That's too long for me. Next: how do I boil an egg?") == ("That's too long for me. ", "Next")
     assert moving_on.verdict_part("No markdown next time please. Who wrote Hamlet?") == ("No markdown next time please. ", "Who")
     assert moving_on.verdict_part("thanks") == ("thanks", None)
+    assert moving_on.verdict_part("ok. new thing: the gate code changed") == ("ok. ", "new thing")
     # "now" closing the message, before an emoji or a stop, tells when, not what next
     assert moving_on.verdict_part("she's actually calm now 🙏") == ("she's actually calm now 🙏", None)
     assert embed_judge.decide({1: 0.99, -1: 0.01, 0: 0.0}, "thank you. she's actually calm now 🙏", "user") == (1, None)
