@@ -478,6 +478,7 @@ def test_a_bare_statement_is_plus_one_only_when_the_committee_is_surest():
     assert embed_judge.decide({1: 0.97, -1: 0.02, 0: 0.01}, fact, "user") == (1, None)
     assert embed_judge.decide({1: 0.9, -1: 0.08, 0: 0.02}, fact, "tool") == (1, None)
     for text in ["perfect, the blue wire goes on the left", "ta, the blue wire goes on the left", "buy the blue one",
+                 "they're in. can you check whether the gate is open",
                  "ok deploy that", fact + " 👍", "does the blue wire go on the left?", "Ny tariby manga dia mankany amin ny ankavia"]:
         assert cues.bare_statement(text) is None, text
         assert embed_judge.decide({1: 0.9, -1: 0.08, 0: 0.02}, text, "user") == (1, None), text
@@ -723,6 +724,7 @@ def test_failure_cues_by_kind_of_tool_output():
         "$ lpstat -p office_laser\nprinter office_laser disabled since Tue 4 Mar 2025 08:02:11 GMT -",  # CUPS: a printer stopped
         "Tray 2: paper jam. Open door B",
         "ALERT Garage fridge 9.1 °C (threshold 5 °C) for 30 min",  # a monitor's alert
+        "2 x hinge ..... confirmed\n3 x latch ..... NOT AVAILABLE for delivery",  # a line of an order not filled
         '{"timed_out": true}',
         "web1 : ok=3 changed=0 unreachable=1 failed=0 skipped=0",  # the same recap with a host down
         "web1 : ok=3 changed=0 unreachable=0 failed=2 skipped=0",

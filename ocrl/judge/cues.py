@@ -474,16 +474,20 @@ _ACTING_VERBS = (
     "pop chuck paste reply accept go ship export remind find draw plot run save file forward text message ring take pick "
     "adopt approve proceed merge commit release install chart fill"
 )
+_ASKS = re.compile(r"(?i:\b(?:can|could|would|will) (?:you|u|ya)\b|\b(?:pls|plz|please)\b)")
 _CLAUSE_OPENING = re.compile(r"(?:^|[.,!;:\n]\s*)(?:(?:pls|please|plz|just|and|then|now|so|ok|k)\s+)*([a-z]+)", re.IGNORECASE)
 
 
 def bare_statement(text: str) -> str | None:
     """The text of a user's message in English (most of its words, 70%, the encoder's) that only
     states something: no word of approval or thanks (`_APPROVAL`, `THANKS`), no emoji, no
-    question, no clause opening with a verb of acting on the answer or editing it. A contrary
+    question or request ("can you ...", "please"), no clause opening with a verb of acting on the
+    answer or editing it. A contrary
     fact ("shiny side goes UP", "direct sun cooks a sealed terrarium") is one; `decide` rewards
     one only when the committee is surest. The caller checks it does not move on."""
     if _APPROVAL.search(text) or THANKS.search(text) or "?" in text or any(_is_emoji(ord(char)) for char in text):
+        return None
+    if _ASKS.search(text):  # a request: "can you check whether ..."
         return None
     words = [word for word in re.findall(r"[^\W\d_]+", text.lower()) if len(word) > 1]
     if not words or sum(word in encoder_words() for word in words) < 0.7 * len(words):

@@ -38,7 +38,7 @@ _FAILURE_CUES = (
     r"|\bfatal:|\bFATAL\b|\bFAILED\b|\bFAILURE\b|\bKilled\b|\b[1-9]\d* failed\b|\b(?:CrashLoop|ImagePull)BackOff\b|\bErrImagePull\b|\bOOMKilled\b"
     r"|(?i:(?<!(?<![=:])\b0 )\bfailed\b(?![:=]?\s*0\b)|(?<!(?<![=:])\b0 )(?<!\b[Nn]o )\bfailures?\b(?![:=]?\s*0\b)|\baborted\b|\bcrashed\b|\brejected\b|\bdeclined\b|\binsufficient\b|\bgiving up\b|\bgave up\b|\bunable to\b"
     r"|\bcould not\b|\bcouldn't\b|\bcannot\b|\bcan't\b|\binvalid\b|\bunknown (?:command|option|host|user)\b|\bunsupported\b)"
-    r"|(?i:\bsegmentation fault\b|\bcore dumped\b|\bno space left\b|\bno free space\b|\bout of memory\b|\bunavailable\b|\bmismatch\b|(?<!\b0 )\bdegraded\b"
+    r"|(?i:\bsegmentation fault\b|\bcore dumped\b|\bno space left\b|\bno free space\b|\bout of memory\b|\bunavailable\b|\bnot available\b|\bmismatch\b|(?<!\b0 )\bdegraded\b"
     r"|\bunrecognized\b|\bunresolved\b|\bunexpected\b|\brolled back\b|\brevoked\b|\brestricted\b|\bread-only\b(?! (?:space|section|segment|region)\b)|\bview-only\b|(?<!\b0 )(?<!\b[Nn]o )\bbroke(?:n)?\b"
     r"|\b(?:is|are) required\b|\balready (?:taken|booked|in use)\b|\bis not (?:a )?(?:valid|real|defined|supported)\b"
     r"|\b(?:was|were) not (?:sent|saved|added|created|written|delivered|applied|published|uploaded|deleted|updated|imported|copied|moved)\b"
