@@ -725,6 +725,8 @@ def test_failure_cues_by_kind_of_tool_output():
         "Tray 2: paper jam. Open door B",
         "ALERT Garage fridge 9.1 °C (threshold 5 °C) for 30 min",  # a monitor's alert
         "2 x hinge ..... confirmed\n3 x latch ..... NOT AVAILABLE for delivery",  # a line of an order not filled
+        '{"order": "77", "status": "partially_fulfilled", "backordered": [{"sku": "A1"}]}',
+        " 1. Bay Inn  £40.00  Sent\n 2. Hill Farm  £35.00  Returned - payee account closed",  # a payment in a batch sent back
         '{"timed_out": true}',
         "web1 : ok=3 changed=0 unreachable=1 failed=0 skipped=0",  # the same recap with a host down
         "web1 : ok=3 changed=0 unreachable=0 failed=2 skipped=0",
@@ -821,6 +823,8 @@ def test_failure_cues_by_kind_of_tool_output():
         "printer office_laser is idle.  enabled since Tue 4 Mar 2025 08:02:11 GMT",  # lpstat of a printer that works
         "Tree-shaking can be disabled by providing the --no-tree-shake-icons flag",
         "Alert: 10 minutes before the event",  # a calendar event's reminder setting
+        "Returned - 2 books, both on time",  # a return, not a payment sent back (a count after the dash)
+        "Query returned 3 rows",
         "Packet PK-33 COMPLETED\nSigned by: both parties\nDeclined: 0  Voided: 0",  # a zero count of signers who declined
         "Payment received\nAmount: £12.00\nDeclined: no",  # a flag that is no
         " -> DATA\n<-  250 2.0.0 Ok: queued as 8QwX\n -> QUIT\n<-  221 2.0.0 Bye\n=== Connection closed with remote host.",  # SMTP's end

@@ -34,7 +34,8 @@ _FAILURE_CUES = (
     # a line of an order or a batch taken out, with its reason, inside a body that succeeded
     r"|(?i:\[\s*\{[^\]]*?\"status\"\s*:\s*\"(?:cancel+ed|removed|rejected|refused|unavailable|out_of_stock)\"[^\]]*?\"reason\")"
     r"|(?i:\"(?:status|state|result|outcome)\"\s*:\s*\"(?:failed|failure|error|errored|timed_?out|timeout|offline|unreachable|rejected|denied"
-    r"|returned|bounced|recalled|reversed|invalid(?:_\w+)?|undeliver(?:ed|able)|expired|not_?found)\")|(?i:\bstatus:\s*(?:returned|bounced|recalled|reversed)\b)"
+    r"|returned|bounced|recalled|reversed|invalid(?:_\w+)?|undeliver(?:ed|able)|expired|not_?found|partial(?:ly)?(?:_\w+)?)\")"
+    r"|(?i:\bstatus:\s*(?:returned|bounced|recalled|reversed)\b|\breturned\s+[-\u2013\u2014]\s+(?!\d))"
     r"|\bfatal:|\bFATAL\b|\bFAILED\b|\bFAILURE\b|\bKilled\b|\b[1-9]\d* failed\b|\b(?:CrashLoop|ImagePull)BackOff\b|\bErrImagePull\b|\bOOMKilled\b"
     r"|(?i:(?<!(?<![=:])\b0 )\bfailed\b(?![:=]?\s*0\b)|(?<!(?<![=:])\b0 )(?<!\b[Nn]o )\bfailures?\b(?![:=]?\s*0\b)|\baborted\b|\bcrashed\b|\brejected\b|\bdeclined\b|\binsufficient\b|\bgiving up\b|\bgave up\b|\bunable to\b"
     r"|\bcould not\b|\bcouldn't\b|\bcannot\b|\bcan't\b|\binvalid\b|\bunknown (?:command|option|host|user)\b|\bunsupported\b)"
