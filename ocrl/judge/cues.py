@@ -460,7 +460,7 @@ UNREAD_KNOWN_SHARE = 0.6
 
 # What makes a user's message in English more than a bare statement: a word of approval or
 # acknowledgement, an exclamation or smiley (`_APPROVAL`), or a clause that opens with a verb of
-# acting on the answer or editing it (`_ACTING_VERBS`, `_EDIT_VERBS`: "buy it", "deploy that").
+# acting on the answer or editing it (`_ACTING_VERBS`, with `_EDIT_VERBS`: "buy it", "deploy that").
 _APPROVAL = re.compile(
     r"(?i:\b(?:great|perfect|nice|nicely|good|love|loved|awesome|cool|ok|okay|yes|yep|yup|yeah|lgtm|works?|worked|working|runs?|ran"
     r"|fine|exactly|brilliant|brill|excellent|amazing|sweet|neat|legend|right|correct|spot on|ace|lovely|wonderful|fantastic"
@@ -469,10 +469,12 @@ _APPROVAL = re.compile(
     r"|grand|sound|deal|sold|noted|bless|obliged|crisp|smart|smarter|well|bang on|the one|it is|k|kk|alright|got it"
     r"|makes sense|suits|fair|bingo|this is it|useful|ta|ty|thx|cheers|chef'?s kiss)\b|!|:\)|:d\b|;\))"
 )
-_ACTING_VERBS = (
-    "buy order deploy publish post print send email submit pay book confirm reserve stick lock share push upload grab get "
-    "pop chuck paste reply accept go ship export remind find draw plot run save file forward text message ring take pick "
-    "adopt approve proceed merge commit release install chart fill"
+_ACTING_VERBS = frozenset(
+    (
+        "buy order deploy publish post print send email submit pay book confirm reserve stick lock share push upload grab get "
+        "pop chuck paste reply accept go ship export remind find draw plot run save file forward text message ring take pick "
+        "adopt approve proceed merge commit release install chart fill " + " ".join(_EDIT_VERBS)
+    ).split()
 )
 _ASKS = re.compile(r"(?i:\b(?:can|could|would|will) (?:you|u|ya)\b|\b(?:pls|plz|please)\b)")
 _CLAUSE_OPENING = re.compile(r"(?:^|[.,!;:\n]\s*)(?:(?:pls|please|plz|just|and|then|now|so|ok|k)\s+)*([a-z]+)", re.IGNORECASE)
@@ -482,9 +484,9 @@ def bare_statement(text: str) -> str | None:
     """The text of a user's message in English (most of its words, 70%, the encoder's) that only
     states something: no word of approval or thanks (`_APPROVAL`, `THANKS`), no emoji, no
     question or request ("can you ...", "please"), no clause opening with a verb of acting on the
-    answer or editing it. A contrary
-    fact ("shiny side goes UP", "direct sun cooks a sealed terrarium") is one; `decide` rewards
-    one only when the committee is surest. The caller checks it does not move on."""
+    answer or editing it. A contrary fact ("shiny side goes UP", "direct sun cooks a sealed
+    terrarium") is one; `decide` rewards one only when the committee is surest. The caller checks
+    it does not move on."""
     if _APPROVAL.search(text) or THANKS.search(text) or "?" in text or any(_is_emoji(ord(char)) for char in text):
         return None
     if _ASKS.search(text):  # a request: "can you check whether ..."
@@ -492,8 +494,7 @@ def bare_statement(text: str) -> str | None:
     words = [word for word in re.findall(r"[^\W\d_]+", text.lower()) if len(word) > 1]
     if not words or sum(word in encoder_words() for word in words) < 0.7 * len(words):
         return None
-    verbs = _ACTING_VERBS.split() + " ".join(_EDIT_VERBS).split()
-    if any(match.group(1).lower() in verbs for match in _CLAUSE_OPENING.finditer(text)):
+    if any(match.group(1).lower() in _ACTING_VERBS for match in _CLAUSE_OPENING.finditer(text)):
         return None
     return text.strip()
 
