@@ -435,6 +435,8 @@ def test_a_message_that_waves_the_answer_away_is_never_plus_one():
     assert cues.eye_roll("oh great, a twelve-step plan for boiling an egg 🙄") == "🙄"
     assert embed_judge.decide(certain, "wow, thanks, so helpful 🙄", "user")[0] != 1
     assert cues.eye_roll("it was the sticker 🤦 thank u") is None
+    assert cues.eye_roll("same tips as last week, thanks for nothing") == "thanks for nothing"  # in words
+    assert cues.eye_roll("thanks for everything, it works") is None
 
 
 def test_a_message_in_a_script_the_encoder_cannot_read_is_plus_one_only_when_the_committee_is_sure():
@@ -724,6 +726,7 @@ def test_failure_cues_by_kind_of_tool_output():
         "$ lpstat -p office_laser\nprinter office_laser disabled since Tue 4 Mar 2025 08:02:11 GMT -",  # CUPS: a printer stopped
         "Tray 2: paper jam. Open door B",
         "ALERT Garage fridge 9.1 °C (threshold 5 °C) for 30 min",  # a monitor's alert
+        "I (812) wifi: connected\nE (2210) task_wdt: Task watchdog got triggered",  # an ESP-IDF error-level line
         "2 x hinge ..... confirmed\n3 x latch ..... NOT AVAILABLE for delivery",  # a line of an order not filled
         '{"order": "77", "status": "partially_fulfilled", "backordered": [{"sku": "A1"}]}',
         " 1. Bay Inn  £40.00  Sent\n 2. Hill Farm  £35.00  Returned - payee account closed",  # a payment in a batch sent back
@@ -823,6 +826,7 @@ def test_failure_cues_by_kind_of_tool_output():
         "printer office_laser is idle.  enabled since Tue 4 Mar 2025 08:02:11 GMT",  # lpstat of a printer that works
         "Tree-shaking can be disabled by providing the --no-tree-shake-icons flag",
         "Alert: 10 minutes before the event",  # a calendar event's reminder setting
+        "I (812) wifi: connected\nW (1530) moisture: z3 below 32%, watering queued",  # a warning-level line
         "Returned - 2 books, both on time",  # a return, not a payment sent back (a count after the dash)
         "Query returned 3 rows",
         "Packet PK-33 COMPLETED\nSigned by: both parties\nDeclined: 0  Voided: 0",  # a zero count of signers who declined

@@ -366,15 +366,16 @@ def exasperated_close(text: str) -> str | None:
     return match.group(0).strip(" ,.!?;:") if match else None
 
 
-# An eye-roll (🙄, 😒) anywhere in a user's message: of the 24 distinct labelled user messages with
-# one, 20 complain or correct and 4 are off-topic grumbles ("my neighbour is mowing at 7am again
-# 🙄"); none approves, however it is worded ("cheers, very encouraging 🙄"). A facepalm (🤦) is
-# left out: most often the user laughs at their own mistake before thanks.
-_EYE_ROLL = re.compile("[\U0001F644\U0001F612]")
+# An eye-roll anywhere in a user's message, in emoji (🙄, 😒) or in words ("thanks for nothing"):
+# of the 25 distinct labelled user messages with the emoji, 20 complain or correct, 4 are off-topic
+# grumbles ("my neighbour is mowing at 7am again 🙄") and one thanks while rolling its eyes at
+# someone else; "cheers, very encouraging 🙄" is sarcasm. A facepalm (🤦) is left out: most often
+# the user laughs at their own mistake before thanks.
+_EYE_ROLL = re.compile("[\U0001F644\U0001F612]|(?i:\\bthanks? (?:you )?for nothing\\b)")
 
 
 def eye_roll(text: str) -> str | None:
-    """The eye-roll emoji in a user's message, or None."""
+    """The eye-roll in a user's message (the emoji, or "thanks for nothing"), or None."""
     match = _EYE_ROLL.search(text)
     return match.group(0) if match else None
 

@@ -49,6 +49,8 @@ _FAILURE_CUES = (
     r"|\bprinter \S+ disabled since\b|(?i:\bpaper jam\b|\bjammed\b)"
     # a monitor's alert opening a line, in capitals ("ALERT Chest freezer -6.2 °C (threshold -15 °C)")
     r"|(?m:^\W*ALERT\b)"
+    # an error-level line of an ESP-IDF log ("E (7210) task_wdt: Task watchdog got triggered")
+    r"|(?m:^E \(\d+\) [\w-]+:)"
     # the commonest words for "failed" in other languages (a mobile-money SMS, a localised CLI)
     r"|(?i:\b(?:falhou|falló|échoué|fehlgeschlagen|mislukt|misslyckades|mislyktes|epäonnistui|başarısız|sikertelen|selhalo)\b|失败|失敗|실패|не удалось)"
     r"|\bFAIL\b|\bSSL_ERROR_\w+|(?m:^\S+\.go:\d+:\d+: )|(?i:\bbad signature\b)|(?i:(?<!\b0 )(?<!\bnot )(?<!\bnever )\bexpired\b)",
