@@ -727,6 +727,7 @@ def test_failure_cues_by_kind_of_tool_output():
         "Tray 2: paper jam. Open door B",
         "ALERT Garage fridge 9.1 °C (threshold 5 °C) for 30 min",  # a monitor's alert
         "I (812) wifi: connected\nE (2210) task_wdt: Task watchdog got triggered",  # an ESP-IDF error-level line
+        "Order 7 – PART READY\n✔ plasters – ready to collect\n✖ inhaler – not supplied",  # a heavy cross beside an item
         "2 x hinge ..... confirmed\n3 x latch ..... NOT AVAILABLE for delivery",  # a line of an order not filled
         '{"order": "77", "status": "partially_fulfilled", "backordered": [{"sku": "A1"}]}',
         " 1. Bay Inn  £40.00  Sent\n 2. Hill Farm  £35.00  Returned - payee account closed",  # a payment in a batch sent back
@@ -827,6 +828,7 @@ def test_failure_cues_by_kind_of_tool_output():
         "Tree-shaking can be disabled by providing the --no-tree-shake-icons flag",
         "Alert: 10 minutes before the event",  # a calendar event's reminder setting
         "I (812) wifi: connected\nW (1530) moisture: z3 below 32%, watering queued",  # a warning-level line
+        "src/a.ts\n  3:7  warning  'x' is assigned a value but never used\n\n✖ 1 problem (0 errors, 1 warning)",  # eslint: a count
         "Returned - 2 books, both on time",  # a return, not a payment sent back (a count after the dash)
         "Query returned 3 rows",
         "Packet PK-33 COMPLETED\nSigned by: both parties\nDeclined: 0  Voided: 0",  # a zero count of signers who declined

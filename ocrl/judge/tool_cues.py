@@ -28,9 +28,10 @@ _FAILURE_CUES = (
     # distinct labelled tool outputs with one report a failure ("Sorry, Tuesday 9:00 was booked by
     # someone else"); inside a line it may be quoted text (a mail's subject), so it is left there
     r"|(?im:^\W*(?:sorry|unfortunately|we're sorry|we are sorry|apologies|oops)\b)"
-    # a cross mark opening a line, beside an item ("✘ circles_rust_01.jpg"), not a count ("✗ 0", k6's
-    # "✗ 2400" of requests that did not fail): all 24 distinct labelled tool outputs with one are failures
-    r"|(?m:^[^\w\n]*[✘✗❌](?!\s*\d))"
+    # a cross mark opening a line, beside an item ("✘ circles_rust_01.jpg", "✖ Modafinil ... not supplied"),
+    # not a count ("✗ 0", k6's "✗ 2400" of requests that did not fail, eslint's "✖ 2 problems (0 errors,
+    # 2 warnings)"): all 24 distinct labelled tool outputs with ✘, ✗ or ❌ so are failures, and all 11 with ✖
+    r"|(?m:^[^\w\n]*[✘✗❌✖](?!\s*\d))"
     # a line of an order or a batch taken out, with its reason, inside a body that succeeded
     r"|(?i:\[\s*\{[^\]]*?\"status\"\s*:\s*\"(?:cancel+ed|removed|rejected|refused|unavailable|out_of_stock)\"[^\]]*?\"reason\")"
     r"|(?i:\"(?:status|state|result|outcome)\"\s*:\s*\"(?:failed|failure|error|errored|timed_?out|timeout|offline|unreachable|rejected|denied"
