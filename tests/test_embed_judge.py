@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ocrl.judge import cues, moving_on, tool_cues
+from ocrl.judge import cues, moving_on, tool_cues, unread
 from ocrl.judge import embed as embed_judge
 from ocrl.judge import ngrams
 from ocrl.judge import classifier as judge_classifier
@@ -442,11 +442,11 @@ def test_a_message_that_waves_the_answer_away_is_never_plus_one():
 def test_a_message_in_a_script_the_encoder_cannot_read_is_plus_one_only_when_the_committee_is_sure():
     for text, script in [("अरे नईं, झाँसी सें ओरछा तो आधौ घंटा कौ रस्ता है", "DEVANAGARI"), ("なんか違うばい。最初から考え直してくれんね", "HIRAGANA"),
                          ("아이다, 1003번은 감천 안 간다", "HANGUL")]:
-        assert cues.unread_script(text) == script, text
+        assert unread.unread_script(text) == script, text
     # Latin script (any language), a few foreign words in a Latin message, a question: left to the committee
     for text in ["ta, grand", "merci, c'est parfait", "thanks! 謝謝", "多謝。古城個門票著買無？", "ほうなん、よう分かったけん！ありがとね〜",
                  "오케이 땡큐. 춘천에서 닭갈비 핫플 좀 추천해 줘", "..."]:
-        assert cues.unread_script(text) is None, text
+        assert unread.unread_script(text) is None, text
     hindi = "नाहीं भइया, ऊ गाड़ी सबेरे छह बजे छूटत है"
     assert embed_judge.decide({1: 0.8, -1: 0.15, 0: 0.05}, hindi, "user") == (-1, "devanagari script, p(+1) < 0.85")
     assert embed_judge.decide({1: 0.9, -1: 0.08, 0: 0.02}, hindi, "user") == (1, None)  # sure
@@ -457,7 +457,7 @@ def test_a_message_in_a_script_the_encoder_cannot_read_is_plus_one_only_when_the
 def test_a_long_message_in_words_the_encoder_does_not_know_is_plus_one_only_when_the_committee_is_sure():
     # Malagasy in Latin letters, a change request after thanks no list knows: 3 of its 11 words are the encoder's
     malagasy = "Misaotra betsaka! Afindrao amin'ny valo ora maraina ny fivoriana rahampitso"
-    assert cues.unread_words(malagasy) == "3 of 11 words known"
+    assert unread.unread_words(malagasy) == "3 of 11 words known"
     assert embed_judge.decide({1: 0.8, -1: 0.15, 0: 0.05}, malagasy, "user") == (-1, "3 of 11 words known, p(+1) < 0.85")
     assert embed_judge.decide({1: 0.9, -1: 0.08, 0: 0.02}, malagasy, "user") == (1, None)  # sure
     assert embed_judge.decide({1: 0.8, -1: 0.15, 0: 0.05}, malagasy, "tool") == (1, None)  # tool output: its own cues
@@ -465,24 +465,24 @@ def test_a_long_message_in_words_the_encoder_does_not_know_is_plus_one_only_when
     for text in ["Misaotra betsaka tompoko, tena tsara!", malagasy + " 🙏", malagasy + "?",
                  "Faleminderit shumë! Ndryshoje takimin në orën tetë të mëngjesit nesër",
                  "fine now, but move the meeting to eight in the morning tomorrow please"]:
-        assert cues.unread_words(text) is None, text
-    assert cues.unread_words("Misaotra betsaka! Afindrao amin'ny valo", vocabulary=frozenset()) is None  # under 8 words
-    assert cues.unread_words("the the the the the the the the", vocabulary=frozenset({"the"})) is None
+        assert unread.unread_words(text) is None, text
+    assert unread.unread_words("Misaotra betsaka! Afindrao amin'ny valo", vocabulary=frozenset()) is None  # under 8 words
+    assert unread.unread_words("the the the the the the the the", vocabulary=frozenset({"the"})) is None
 
 
 def test_a_bare_statement_is_plus_one_only_when_the_committee_is_surest():
     # a contrary fact: no word of approval, no thanks, no emoji, no question, no request
     fact = "the blue wire goes on the left terminal"
-    assert cues.bare_statement(fact) == fact
+    assert unread.bare_statement(fact) == fact
     # names the encoder does not know in an English statement (7 of its 10 words are its)
-    assert cues.bare_statement("that's tan sau. bong sau's the wing one, elbow up") is not None
+    assert unread.bare_statement("that's tan sau. bong sau's the wing one, elbow up") is not None
     assert embed_judge.decide({1: 0.9, -1: 0.08, 0: 0.02}, fact, "user") == (-1, "a bare statement, p(+1) < 0.95")
     assert embed_judge.decide({1: 0.97, -1: 0.02, 0: 0.01}, fact, "user") == (1, None)
     assert embed_judge.decide({1: 0.9, -1: 0.08, 0: 0.02}, fact, "tool") == (1, None)
     for text in ["perfect, the blue wire goes on the left", "ta, the blue wire goes on the left", "buy the blue one",
                  "they're in. can you check whether the gate is open",
                  "ok deploy that", fact + " 👍", "does the blue wire go on the left?", "Ny tariby manga dia mankany amin ny ankavia"]:
-        assert cues.bare_statement(text) is None, text
+        assert unread.bare_statement(text) is None, text
         assert embed_judge.decide({1: 0.9, -1: 0.08, 0: 0.02}, text, "user") == (1, None), text
 
 

