@@ -895,6 +895,9 @@ def test_tool_output_that_reports_no_outcome_yet_is_zero():
         "shape: (0, 4)\n┌──────────┬──────┐\n│ order_id ┆ shop │",  # an empty polars frame
         'Case EO-2024-118307: status "Awaiting supplier response".',
         "Reference PH/24/06612: allocated to an officer. Inspection date: not yet arranged.",
+        "Thanks. Your note has been passed to the parish clerk.",  # handed on to someone who has yet to answer
+        "Ticket T-5120 logged. We aim to respond within 3 working days.",
+        "Refund requested. This can take up to 10 days to show on your statement.",
     ]
     for text in pending + empty:
         assert tool_cues.tool_no_verdict(text) is not None, text

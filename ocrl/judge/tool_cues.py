@@ -206,6 +206,9 @@ _NO_VERDICT_CUES = (
     r"(?im:(?:^\s*|[.;]\s+)[a-z][\w ]{0,30}:\s*(?:pending|queued|awaiting|not yet (?:available|arranged|scheduled|assigned|booked|confirmed|known|decided)))|(?i:\"\w+\"\s*:\s*\"(?:pending|queued|requested|in_progress|awaiting\w*)\")",
     r"(?i:\b(?:has been|was|been) (?:queued|scheduled|submitted|accepted|received)\b|\brequest accepted\b"
     r"|\bis being (?:created|provisioned|processed|deployed|built|prepared|uploaded|sent|restored|migrated|generated|indexed|imported|exported)\b|\bstill (?:creating|running|waiting|processing|building|pending|in progress)\b)",
+    # a message handed on to someone who has yet to answer ("your enquiry has been passed to a
+    # surveyor", "we aim to reply within 10 working days", "this can take up to 45 days")
+    r"(?i:\b(?:has been|will be|was) passed (?:on )?to\b|\baim to (?:reply|respond)\b|\bcan take up to \d)",
     # a job handed over: accepted (HTTP 202), queued, scheduled, started or triggered
     r"\bHTTP/[\d.]+ 202\b|\"StatusCode\":\s*202\b|\b202 Accepted\b|(?i:\bbackground (?:saving|save|job|task|sync) started\b)",
     r"(?i:\b(?:job|jobs|deployment|task|build|export|request|message|run|operation)\b[^\n.]{0,30}?\b(?:queued|enqueued|scheduled|submitted)\b"
