@@ -86,14 +86,16 @@ _OPENING = re.compile(r"^\W*[^\W\d_][^\s\d,.!?;:]*(?:\s+[^\s\d,.!?;:]+){0,2}\s*[
 # verb. On the labelled cases 29 such messages are approvals or next tasks and one is a change
 # request ("put it in the order we'd ..."); the three with no object ("add to basket", "sign me
 # up") are approvals, as are the 8 that name a calendar, notes or a basket to put a thing in
-# ("put the deadline in my calendar"). A bare "do it" or "keep it"/"keep that" (nothing after it
+# ("put the deadline in my calendar"), and the 4 that put an order or an offer in or through ("put
+# the order through with ..."). A bare "do it" or "keep it"/"keep that" (nothing after it
 # in its clause but an emoji) approves the answer as it stands: 10 labelled approvals, where "do
 # it again", "do it in inches" and "keep it under 40 characters" ask for a change.
 _PLACING = re.compile(
     r"(?i:(?:put|pin|post|stick|pop|add|drop) (?:it|them|this|that|all of (?:it|them)|the lot|everything)(?: all)?(?: up| live)?(?: (?:on|in|into|onto|to) (?:the|my|our|his|her|their)\b|\W*$)"
     r"|(?:put|pin|stick|pop|add|save) (?:(?:the|that|this) \w+(?: \w+)? )?(?:on|in|into|onto|to) (?:my|our) (?:calendar|diary|planner|notes"
     r"|basket|cart|trolley|wishlist|favourites|bookmarks)\b"
-    r"|add to (?:the |my |our )?(?:basket|cart|trolley|calendar|diary|wishlist)\b|sign (?:me|us) up\b|(?:do|keep) (?:it|that|this)(?=\s*(?:[.!,;]|[^\w\s'\"(]|$)))"
+    r"|add to (?:the |my |our )?(?:basket|cart|trolley|calendar|diary|wishlist)\b|sign (?:me|us) up\b"
+    r"|put (?:the|my|our|an?|that|this) (?:order|offer|bid|request|claim|application|booking|payment|purchase|reservation)s? (?:in|through)\b(?!\s+(?:a|an|the|my|our|your|alphabetical|reverse)\b)|(?:do|keep) (?:it|that|this)(?=\s*(?:[.!,;]|[^\w\s'\"(]|$)))"
 )
 
 
