@@ -272,6 +272,10 @@ def test_edit_cues_in_user_messages():
     # "said" in agreement, and a contrary authority
     assert cues.edit_cue("thanks, that's exactly what my GP said last week") is None
     assert cues.edit_cue("the vet said twice a day") == "said"
+    # ... in a yes, or in a message that thanks (its "but" is what corrects)
+    assert cues.edit_cue("the club said yes 🎉 next, a kit list?") is None
+    assert cues.edit_cue("cheers, my uncle said the same about the boiler") is None
+    assert cues.edit_cue("thanks but the vet said twice a day") == "but"
     # "again" closing a question of the user's own recalls; after what happened it is a verdict
     assert cues.edit_cue("noted. when can she swim again") is None and cues.edit_cue("it crashed again") == "again"
     assert cues.imperative_cue("great. more detail on step 2") == "more"

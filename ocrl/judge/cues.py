@@ -120,8 +120,10 @@ _THAN = re.compile(r"(?i:(?:\s+[\w']+){0,3}?\s+than\b)")
 _COUNTERFACTUAL = re.compile(r"(?i:\b(?:i'd|i would|would've|would have|could've|could have|might have|might've)\b[^.!?]{0,40}$)")
 # ... or in what the user did ("been doing it wrong for a year", "I was holding it wrong")
 _OWN_DOING = re.compile(r"(?i:\b(?:i|i've|i have|we|we've|we have|been)\s+(?:been\s+|was\s+|were\s+)?\w+ing\s+(?:it|this|that|them)\s+$)")
-# ... and "said" in agreement ("that's exactly what the nurse said too")
+# ... and "said" in agreement ("that's exactly what the nurse said too"), in a yes ("hr said yes"),
+# or in a message that thanks: of the 21 labelled such messages, the 9 corrections all have a "but"
 _AGREEING = re.compile(r"(?i:\b(?:exactly|just|precisely) what\b[^.!?]{0,40}$)")
+_SAID_YES = re.compile(r"(?i:\s+(?:yes|yeah|yep|ok|okay)\b)")
 
 
 def _first_edit(pattern: re.Pattern[str], text: str) -> re.Match[str] | None:
@@ -134,7 +136,9 @@ def _first_edit(pattern: re.Pattern[str], text: str) -> re.Match[str] | None:
         word = (last.group(0) if last else match.group(0)).strip(" ,.!;:").lower()
         conceding = word == "but" and _CONCEDING.match(text, match.end()) is not None
         comparing = word in _COMPARATIVES and _THAN.match(text, match.end()) is not None
-        agreeing = word == "said" and _AGREEING.search(text, 0, match.start()) is not None
+        agreeing = word == "said" and (
+            _AGREEING.search(text, 0, match.start()) is not None or _SAID_YES.match(text, match.end()) is not None or THANKS.search(text) is not None
+        )
         # "again" closing a question of the user's own ("when can he drive again"), as in `redo_cue`
         recalling = word == "again" and _AGAIN_QUESTION.search(text, 0, match.start()) is not None and _CLOSING.match(text, match.end()) is not None
         supposing = word == "wrong" and (
