@@ -276,6 +276,10 @@ def test_edit_cues_in_user_messages():
     assert cues.edit_cue("the club said yes 🎉 next, a kit list?") is None
     assert cues.edit_cue("cheers, my uncle said the same about the boiler") is None
     assert cues.edit_cue("thanks but the vet said twice a day") == "but"
+    # "actually" in what the answer makes possible; but not in what it leaves undone
+    assert cues.edit_cue("ta, my knees might actually cope with that") is None
+    assert cues.edit_cue("there's nothing here I can actually cook") == "actually"
+    assert cues.edit_cue("actually, make it Thursday") == "actually"
     # "again" closing a question of the user's own recalls; after what happened it is a verdict
     assert cues.edit_cue("noted. when can she swim again") is None and cues.edit_cue("it crashed again") == "again"
     assert cues.imperative_cue("great. more detail on step 2") == "more"

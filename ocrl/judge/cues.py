@@ -123,6 +123,10 @@ _OWN_DOING = re.compile(r"(?i:\b(?:i|i've|i have|we|we've|we have|been)\s+(?:bee
 # ... and "said" in agreement ("that's exactly what the nurse said too"), in a yes ("hr said yes"),
 # or in a message that thanks: of the 21 labelled such messages, the 9 corrections all have a "but"
 _AGREEING = re.compile(r"(?i:\b(?:exactly|just|precisely) what\b[^.!?]{0,40}$)")
+# ... and "actually" after "can", "might", "will" in what the answer makes possible ("20 mins i can
+# actually do", "the altos will actually know where to stand"): the 15 labelled such messages with
+# nothing before it ("nothing i can actually run") are thanks and next tasks
+_HOPING = re.compile(r"(?i:(?:^|[.!?]\s*)(?:(?!\b(?:nothing|anything)\b)[^.!?])*?\b(?:can|could|might|will|would)\s+$)")
 _SAID_YES = re.compile(r"(?i:\s+(?:yes|yeah|yep|ok|okay)\b)")
 
 
@@ -144,7 +148,8 @@ def _first_edit(pattern: re.Pattern[str], text: str) -> re.Match[str] | None:
         supposing = word == "wrong" and (
             _COUNTERFACTUAL.search(text, 0, match.start()) is not None or _OWN_DOING.search(text, 0, match.start()) is not None
         )
-        if not (conceding or comparing or supposing or agreeing or recalling) and not any(_PLACING.match(text, start) for start in starts):
+        hoping = word == "actually" and _HOPING.search(text, 0, match.start()) is not None
+        if not (conceding or comparing or supposing or agreeing or recalling or hoping) and not any(_PLACING.match(text, start) for start in starts):
             return match
     return None
 
