@@ -280,6 +280,10 @@ def test_edit_cues_in_user_messages():
     assert cues.edit_cue("ta, my knees might actually cope with that") is None
     assert cues.edit_cue("there's nothing here I can actually cook") == "actually"
     assert cues.edit_cue("actually, make it Thursday") == "actually"
+    # "no" in a fault gone or a doubt settled: "no more X", "had no idea", "no complaints"
+    for text in ["no more squeaking 🎉 now the hinge on the shed", "had no idea the filter came out, ta", "no worries, ship it"]:
+        assert cues.edit_cue(text) is None, text
+    assert cues.edit_cue("no, the other one") == "no" and cues.edit_cue("I have no idea what this means") == "no"
     # "again" closing a question of the user's own recalls; after what happened it is a verdict
     assert cues.edit_cue("noted. when can she swim again") is None and cues.edit_cue("it crashed again") == "again"
     assert cues.imperative_cue("great. more detail on step 2") == "more"
