@@ -284,6 +284,10 @@ def test_edit_cues_in_user_messages():
     for text in ["no more squeaking 🎉 now the hinge on the shed", "had no idea the filter came out, ta", "no worries, ship it"]:
         assert cues.edit_cue(text) is None, text
     assert cues.edit_cue("no, the other one") == "no" and cues.edit_cue("I have no idea what this means") == "no"
+    # idioms of approval, and a "but at least" that concedes
+    for text in ["not bad, post it", "can't fault it, ship", "steep but at least it's done, ta"]:
+        assert cues.edit_cue(text) is None, text
+    assert cues.edit_cue("not that one") == "not" and cues.edit_cue("can't open it") == "n't"
     # "again" closing a question of the user's own recalls; after what happened it is a verdict
     assert cues.edit_cue("noted. when can she swim again") is None and cues.edit_cue("it crashed again") == "again"
     assert cues.imperative_cue("great. more detail on step 2") == "more"

@@ -21,14 +21,15 @@ import unicodedata
 # negation, an edit verb aimed at the answer ("make it", "sign it", "change"), a repeat ("again",
 # "still"), a hedged degree ("a bit flat", "kinda long": 13 of the 18 labelled messages with one
 # that is no noun, "a bit of soap", "some kind of", ask for a change or complain; the 4 thanks among
-# them the classifier reads surely). In `decide` a user message with one is +1 only when the
-# classifier is sure, since a change request read as approval would teach the policy the wrong thing.
+# them the classifier reads surely). Idioms of approval ("not bad", "not changing a thing", "can't
+# argue with that") are none. In `decide` a user message with one is +1 only when the classifier is
+# sure, since a change request read as approval would teach the policy the wrong thing.
 _EDIT_CUE = re.compile(
     r"(?i:\b(?:pero|aber|sondern|mais|però|maar|mas|en vez de|en lugar de|statt|anstatt|au lieu de|invece di|em vez de|in plaats van)\b"
     r"|\b(?:but|instead|rather|actually|change|rename|replace|swap|switch|remove|drop|delete|shorten|lengthen|rewrite|redo|fix"
-    r"|again|still|wrong|not|no(?! more\b| (?:problems?|doubts?|complaints|worries)\b)(?!(?<=had no) idea\b)|nope|never|without|too|should|supposed|meant|asked|said|told)\b"
+    r"|again|still|wrong|not(?! bad\b| changing a thing\b| gonna lie\b)|no(?! more\b| (?:problems?|doubts?|complaints|worries)\b)(?!(?<=had no) idea\b)|nope|never|without|too|should|supposed|meant|asked|said|told)\b"
     r"|\b(?:a (?:bit|little|tad)(?! of\b)|bit of a|kinda|(?<!some )(?<!what )(?:kind|sort) of|slightly|a touch) (?=\w)"
-    r"|n't\b|\b(?:make|sign|call|title|address|put|turn|keep|write|do|give) (?:it|them|this|that|the \w+)\b"
+    r"|n't\b(?! (?:argue|fault)\b)|\b(?:make|sign|call|title|address|put|turn|keep|write|do|give) (?:it|them|this|that|the \w+)\b"
     r"|\b(?:in|into|as) (?:a |an )?(?:english|spanish|french|german|italian|portuguese|dutch|polish|japanese|chinese|korean"
     r"|bullet|bullets|bullet points|list|table|json|csv|markdown|plain text|haiku|poem)\b|^\s*(?:use|add|less|more|shorter|longer)\b)"
 )
@@ -106,10 +107,11 @@ _COMPARATIVES_OF_EDITS = (
     "friendlier punchier snappier tighter looser thicker thinner shorter longer"
 ).split()
 # A "but" that concedes before thanks or acceptance turns toward the answer, not against it ("grim
-# but useful, thanks", "more forms than I'd hoped but fine"): all 16 such labelled messages are thanks.
+# but useful, thanks", "more forms than I'd hoped but fine"): all 16 such labelled messages are thanks;
+# so are the 11 with "but at least" ("brutal fee but at least now I know why").
 _CONCEDING = re.compile(
     r"(?i:\W+(?:\w+\W+)?(?:cheers|thanks|thank you|thx|ta|fine|ok|okay|worth it|good to know|that helps|helpful"
-    r"|makes sense|fair enough|great|love it|perfect|nice|clear now|useful)\b)"
+    r"|makes sense|fair enough|great|love it|perfect|nice|clear now|useful|at least)\b)"
 )
 # A comparative with "than" after it compares; it asks for nothing ("more forms than I'd hoped",
 # "way less painful than my spreadsheet"): the 4 such labelled messages are thanks and approvals.
