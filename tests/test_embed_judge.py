@@ -369,7 +369,11 @@ def test_contrast_only_and_redo_words_in_scripts_and_languages_beyond_the_common
     for text, word in [("perfetto, solo togli il pesce", "solo"), ("hvala, samo promijeni datum", "samo"), ("מקסים! רק תוסיף גרביים", "רק"),
                        ("Super ! Tu peux juste changer le nom ?", "juste"), ("খুব সুন্দর হয়েছে! শুধু জাফলং যোগ করে দাও", "শুধু")]:
         assert cues.softened_request(text) == word, text
-    for text in ["Non ci sarei mai arrivato da solo, grazie davvero.", "solo, gracias", "thanks, just what I needed"]:
+    # ... and in English, before a verb the imperative cue does not know
+    assert cues.softened_request("lovely 👍 just log the order ids as well") == "just log"
+    for text in ["Non ci sarei mai arrivato da solo, grazie davvero.", "solo, gracias", "thanks, just what I needed",
+                 "ta, just got home", "cheers. just checking, is it 3 or 4?", "i was just sitting there",
+                 "so it's not broken, just dusty. ta"]:
         assert cues.softened_request(text) is None, text
     # asking again, in more languages; a bare "again" in a message that thanks asks for nothing
     for text, words in [("ulang lagi dong, cari nama yang lain", "ulang"), ("перепиши, пожалуйста", "перепиши"), ("重新写一个", "重新"),

@@ -329,9 +329,27 @@ def softened_request(text: str) -> str | None:
     ("perfetto, solo togli il pesce", "hvala, samo promijeni ...", "מקסים! רק תוסיף ..."): a request
     softened the way "love it, just drop ..." is in English, in a language whose verbs
     `imperative_cue` does not know. None otherwise. On the shipped and spent held-out cases 21 such
-    messages are all corrections or change requests; one "only" with no opening is a thanks."""
+    messages are all corrections or change requests; one "only" with no opening is a thanks. So is
+    an English "just" that opens a clause after another, before a verb that `imperative_cue` does
+    not know ("perfect 👌 just log the trainer id as well"); one in a message that closes on a
+    question asks ("ok good. what do i need, just photos?")."""
     opening, match = _OPENING.match(text), _ONLY.search(text)
-    return match.group(0).strip() if opening and match and match.start() >= opening.end() else None
+    if opening and match and match.start() >= opening.end():
+        return match.group(0).strip()
+    just = _JUST.search(text)
+    contrasted = just is not None and re.search(r"(?i:\bnot\s+\w+\W*$)", text[: just.start() + 1]) is not None  # "not dead, just starving"
+    if just and not contrasted and not just.group(1).lower().endswith("ed") and not CLOSING_QUESTION.search(text):
+        return f"just {just.group(1)}"
+    return None
+
+
+# "just" opening a clause (after a stop, a dash or an emoji) before a word that is no adverb,
+# pronoun or past tense: the verb of a softened request ("👍 just log the ids")
+_JUST = re.compile(
+    r"(?i:(?:[,.!;:\u2014\u2013-]|[\u2600-\u27BF\U0001F000-\U0001FAFF])\s*just\s+(?!(?:what|right|perfect|the|a|an|in|about|now|as"
+    r"|like|because|want|need|got|did|had|was|is|how|so|for|to|my|our|his|her|its|it|this|that|those|these|one|enough|gonna"
+    r"|going|been|being|me|us|you|him|them|fine|ok|okay|great|lovely|brilliant|what's|when|where|too)\b)([a-z]+)\b)"
+)
 
 
 def redo_cue(text: str) -> str | None:
