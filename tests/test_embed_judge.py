@@ -637,6 +637,8 @@ def test_a_softened_request_after_an_opening_is_never_plus_one():
     assert embed_judge.decide(certain, "מקסים! רק תוסיף שצריך להביא גרביים", "user") == (-1, "רק")
     assert embed_judge.decide(certain, "Non ci sarei mai arrivato da solo, grazie davvero.", "user") == (1, None)  # sure, no opening
     assert embed_judge.decide(certain, "ulang lagi dong", "user") == (-1, "ulang")  # a redo request, in Indonesian
+    # an English "just" before a verb no cue knows, even with a closing "as well", which adds as often as it moves on
+    assert embed_judge.decide(certain, "lovely 👍 just log the order ids as well", "user") == (-1, "just log")
 
 
 def test_a_user_edit_cue_keeps_plus_one_away_unless_the_classifier_is_sure():

@@ -158,8 +158,8 @@ def decide(
     follows), or `praise_guard` after opening thanks or praise with no edit word ("great, order
     that for 7pm", "Brilliant, cc my partner on it": `praise_opening`); a request with an edit
     word ("great, but swap steps 2 and 3"), a request softened by "only"/"just" after an
-    opening word or two in a language whose verbs the cues do not know
-    ("perfetto, solo togli ...": `softened_request`), a request for the answer again, and a
+    opening word or two in a language whose verbs the cues do not know, or by an English "just"
+    before such a verb ("perfetto, solo togli ...", "perfect 👌 just log ...": `softened_request`), a request for the answer again, and a
     verdict with an edit word before moving on ("No formatting please. Moving on: ...", or a
     contrast the message closes on: "great, now put sunday as the cleaning day not saturday",
     "spot on. dispose of it properly though", `closing_contrast`) are never +1; and no user
@@ -213,12 +213,14 @@ def decide(
         redo = redo_cue(next_state)
         before, on = (next_state, None) if redo else verdict_part(next_state)
         edit, verb = edit_cue(next_state), None if on else imperative_cue(next_state)
-        softened = None if on else softened_request(next_state)
+        # a closing "too" or "as well" adds to the answer as often as it moves on: a softened request stays one
+        adds = on is not None and on.strip().lower() in ("too", "as well")
+        softened = None if on and not adds else softened_request(next_state)
         closing = closing_contrast(next_state)
         faulted = faulted_content(next_state)
         dismissive = dismissive_opening(next_state) or exasperated_close(next_state) or eye_roll(next_state) or faulted
         placed = (None if on else placement_edit(next_state) or reorder_edit(next_state)) or announced_edit(next_state)
-        cue = edit or redo or verb or closing or dismissive or placed
+        cue = edit or redo or verb or softened or closing or dismissive or placed
         # moving on relaxes the guard only for edit words in the new request, not in the verdict before it
         relaxed = on is not None and edit_cue(before) is None and closing is None and faulted is None
         # a new question of its own moves on, unless a correction leads (an edit word after the
@@ -240,9 +242,9 @@ def decide(
             or placed is not None
             or contrast_elsewhere(before) is not None
         )
-        # a closing "too" moves on or adds to the answer ("can you add a veggie filling too?"): the
-        # strict guard, or the praise guard after opening praise, as for any request after it
-        adding = relaxed and on.strip().lower() == "too"
+        # a closing "too" or "as well" moves on or adds to the answer ("can you add a veggie filling
+        # too?"): the strict guard, or the praise guard after opening praise, as for any request after it
+        adding = relaxed and adds
         praised = praised or (adding and praise_opening(next_state) is not None)
         limit = edit_guard if relaxed and not adding else (float("inf") if never else praise_guard if praised else strict_guard)
         rule = cue if cue is not None and probs[1] < limit else None
