@@ -603,12 +603,14 @@ def test_a_request_that_the_answer_itself_do_more_asks_for_a_change():
 def test_a_verdict_with_a_word_of_contrast_in_another_language_is_never_plus_one():
     sure = {1: 0.9, -1: 0.08, 0: 0.02}
     for text in ["Bueno, diolch yn fawr! Ond well gen i fynd i'r amgueddfa yn y bore", "Teurimong geunaseh! Tapi Sabang dilee beh",
-                 "Twil barcha ya khouya! mouch tarikh Sfax lkol."]:
+                 "Twil barcha ya khouya! mouch tarikh Sfax lkol.", "¡Quedó bonito, gracias! Pero ponle una parada en Tafí",
+                 "Chennagide, thanks! Aadre Udupi-li lunch ge stop maadi"]:
         assert cues.contrast_elsewhere(text) is not None, text
         assert embed_judge.decide(sure, text, "user")[0] == -1, text
     # in English "but" raises the guard only; after thanks, a question of one's own moves on
     assert embed_judge.decide(sure, "thanks, but that's fine as it is", "user") == (1, None)
     assert embed_judge.decide(sure, "Heel erg bedankt, dat had ik maar eerder moeten vragen!", "user") == (1, None)
+    assert cues.contrast_elsewhere("Muchas gracias, pero de verdad, me salvaste el día") is None  # "but really" stresses
     assert embed_judge.decide({1: 0.4, -1: 0.5, 0: 0.1}, "Gracias! Y dónde como bien en Trelew?", "user") == (1, None)
 
 
