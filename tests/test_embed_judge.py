@@ -753,6 +753,8 @@ def test_failure_cues_by_kind_of_tool_output():
         "Tray 2: paper jam. Open door B",
         "ALERT Garage fridge 9.1 °C (threshold 5 °C) for 30 min",  # a monitor's alert
         "I (812) wifi: connected\nE (2210) task_wdt: Task watchdog got triggered",  # an ESP-IDF error-level line
+        "Registration closed on 12 May. The next intake opens in September.",  # entries closed, a deadline gone
+        "Claim form: the deadline for this claim has passed.",
         "Order 7 – PART READY\n✔ plasters – ready to collect\n✖ inhaler – not supplied",  # a heavy cross beside an item
         "2 x hinge ..... confirmed\n3 x latch ..... NOT AVAILABLE for delivery",  # a line of an order not filled
         '{"order": "77", "status": "partially_fulfilled", "backordered": [{"sku": "A1"}]}',

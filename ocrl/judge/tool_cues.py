@@ -52,6 +52,9 @@ _FAILURE_CUES = (
     r"|(?m:^\W*ALERT\b)"
     # an error-level line of an ESP-IDF log ("E (7210) task_wdt: Task watchdog got triggered")
     r"|(?m:^E \(\d+\) [\w-]+:)"
+    # entries, bookings or sales closed, a deadline gone ("Entries closed: the deadline ... was 31 March")
+    r"|(?i:\b(?:entries|entry|registrations?|applications?|bookings?|enrol?lments?|sales|submissions?|sign-?ups?|nominations?)"
+    r"\s+(?:are |is |have |has )?(?:now )?closed\b|\bdeadline\b[^\n.]{0,40}\b(?:has|have) passed\b)"
     # the commonest words for "failed" in other languages (a mobile-money SMS, a localised CLI)
     r"|(?i:\b(?:falhou|falló|échoué|fehlgeschlagen|mislukt|misslyckades|mislyktes|epäonnistui|başarısız|sikertelen|selhalo)\b|失败|失敗|실패|не удалось)"
     r"|\bFAIL\b|\bSSL_ERROR_\w+|(?m:^\S+\.go:\d+:\d+: )|(?i:\bbad signature\b)|(?i:(?<!\b0 )(?<!\bnot )(?<!\bnever )\bexpired\b)",
