@@ -346,6 +346,12 @@ def test_imperative_cues_and_signs_of_moving_on():
     for text in ["thanks again!", "works again 🎉 thanks a ton", "what was it called again?", "tak igen 🙏"]:
         assert cues.redo_cue(text) is None, text
     assert cues.redo_cue("what did you change? do it again") == "again"
+    # asking outright for the answer again is -1, even where the committee reads it neutral
+    neutral = {1: 0.02, -1: 0.3, 0: 0.68}
+    for text in ["missed that. again?", "walk me through the wiring again", "run the last bit past me again"]:
+        assert cues.asks_again(text) is not None and embed_judge.decide(neutral, text, "user")[0] == -1, text
+    for text in ["the train is late again?", "my train is late again, ugh", "ok and when is the vet due again?"]:
+        assert cues.asks_again(text) is None, text
     # asking again, and moving on, in more languages
     for text, words in [("prøv igen, helt forfra", "igen"), ("spróbuj jeszcze raz", "jeszcze raz"), ("next option pls", "next option")]:
         assert cues.redo_cue(text) == words, text

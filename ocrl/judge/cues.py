@@ -374,6 +374,22 @@ def redo_cue(text: str) -> str | None:
     return None
 
 
+# Asking outright for the answer again: "again?" as a sentence of its own ("lost me. again?"), or a
+# verb of going over it again ("go through the steps again", "explain X again?", "run me through
+# ... again", "run the breathing bit past me again"): all 10 labelled such messages are redo requests,
+# which the committee reads as neutral as often as not (p(0) 0.5-0.9)
+_ASKS_AGAIN = re.compile(
+    r"(?i:(?:^|[.!?]\s+)again\s*\?|(?:^|[.!?,]\s*)(?:(?:can|could|would) (?:you|u) |pls |please )?(?:explain|go through|go over"
+    r"|run (?:me )?through|walk me through|talk me through|take me through|run [^.!?]{1,40}? past me|repeat)\b[^.!?]*\bagain\b)"
+)
+
+
+def asks_again(text: str) -> str | None:
+    """The words of a user's message that ask outright for the answer again, or None."""
+    match = _ASKS_AGAIN.search(text)
+    return " ".join(match.group(0).split()) if match else None
+
+
 # A closing contrast ("... sunday as the cleaning day not saturday", "... with oat milk instead of
 # cow's") or a closing "though" that asks nothing ("spot on. dispose of it properly though"), in a
 # message that thanks for nothing: on the labelled cases 203 of the 208 user messages that close on

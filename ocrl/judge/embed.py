@@ -20,6 +20,7 @@ from ocrl.judge.classifier import FIT_DATA, LABELS, FitSettings, Item, item_of, 
 from ocrl.judge.committee import MEMBERS, Committee, load_committee, new_member
 from ocrl.judge.cues import (
     announced_edit,
+    asks_again,
     closing_contrast,
     contrast_elsewhere,
     dismissive_opening,
@@ -147,7 +148,9 @@ def decide(
     pending job, an empty result: `tool_no_verdict`) is 0, whatever the classifier reads; with
     both signs +1 is set aside and the rest decides. On the twentieth committee's probabilities
     over the six spent sets it was never fitted on, -1 for a failure sign (rather than the better
-    of -1 and 0) righted 5 tool errors and cost nothing. +1 is set aside for a user message
+    of -1 and 0) righted 5 tool errors and cost nothing. So is a user message that asks outright
+    for the answer again (`asks_again`: "lost me. again?", "go through the steps again"), which the
+    committee reads as neutral as often as not. +1 is set aside for a user message
     that may ask for a change unless the classifier is sure. Such a message has a word of
     editing or contrast (`edit_cue`), asks for the answer again (`redo_cue`), or has a request:
     a clause that opens with an edit verb or a request form, or a closing "please"
@@ -211,6 +214,9 @@ def decide(
             return -1, rule
     else:
         redo = redo_cue(next_state)
+        asks = asks_again(next_state)
+        if asks is not None:  # a redo request, whatever the committee hesitates over
+            return -1, redo or asks
         before, on = (next_state, None) if redo else verdict_part(next_state)
         edit, verb = edit_cue(next_state), None if on else imperative_cue(next_state)
         # a closing "too" or "as well" adds to the answer as often as it moves on: a softened request stays one
