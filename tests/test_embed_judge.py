@@ -761,6 +761,9 @@ def test_failure_cues_by_kind_of_tool_output():
         "I (812) wifi: connected\nE (2210) task_wdt: Task watchdog got triggered",  # an ESP-IDF error-level line
         "Registration closed on 12 May. The next intake opens in September.",  # entries closed, a deadline gone
         "Claim form: the deadline for this claim has passed.",
+        "There is a problem\n- Enter a valid postcode",  # a form's error summary
+        "C7: =B7/A7  ->  #DIV/0!",  # a spreadsheet's error value
+        "Your booking request has not been submitted. Check the highlighted fields.",
         "Order 7 – PART READY\n✔ plasters – ready to collect\n✖ inhaler – not supplied",  # a heavy cross beside an item
         "2 x hinge ..... confirmed\n3 x latch ..... NOT AVAILABLE for delivery",  # a line of an order not filled
         '{"order": "77", "status": "partially_fulfilled", "backordered": [{"sku": "A1"}]}',

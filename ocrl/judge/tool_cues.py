@@ -44,6 +44,7 @@ _FAILURE_CUES = (
     r"|\bunrecognized\b|\bunresolved\b|\bunexpected\b|\brolled back\b|\brevoked\b|\brestricted\b|\bread-only\b(?! (?:space|section|segment|region)\b)|\bview-only\b|(?<!\b0 )(?<!\b[Nn]o )\bbroke(?:n)?\b"
     r"|\b(?:is|are) required\b|\balready (?:taken|booked|in use)\b|\bis not (?:a )?(?:valid|real|defined|supported)\b"
     r"|\b(?:was|were) not (?:sent|saved|added|created|written|delivered|applied|published|uploaded|deleted|updated|imported|copied|moved)\b"
+    r"|\b(?:has|have) not been (?:sent|saved|submitted|processed|accepted|approved|booked)\b"
     r"|\bnothing was (?:sent|saved|added|created|written|delivered|imported|copied|moved)\b|\bonly (?:the )?(?:\w+ ){0,2}(?:owners?|admins?|administrators?|members?) can\b)"
     r"|\bdebugger invoked on\b|(?i:\bis unbound\b)"  # a Lisp condition that stops in the debugger
     # a printer stopped by a fault (CUPS: "printer X disabled since ..."; a paper jam)
@@ -52,6 +53,8 @@ _FAILURE_CUES = (
     r"|(?m:^\W*ALERT\b)"
     # an error-level line of an ESP-IDF log ("E (7210) task_wdt: Task watchdog got triggered")
     r"|(?m:^E \(\d+\) [\w-]+:)"
+    # a form's error summary ("There is a problem" over the fields to fix), a spreadsheet's error values
+    r"|(?im:^\W*there (?:is|was) a problem\b)|#(?:DIV/0!|REF!|VALUE!|NAME\?|NUM!|NULL!|N/A\b)"
     # entries, bookings or sales closed, a deadline gone ("Entries closed: the deadline ... was 31 March")
     r"|(?i:\b(?:entries|entry|registrations?|applications?|bookings?|enrol?lments?|sales|submissions?|sign-?ups?|nominations?)"
     r"\s+(?:are |is |have |has )?(?:now )?closed\b|\bdeadline\b[^\n.]{0,40}\b(?:has|have) passed\b)"
@@ -207,7 +210,7 @@ _NO_VERDICT_CUES = (
     r"(?i:\"\w*(?:running|pending|processing|queued|in_?progress)\"\s*:\s*true\b)",
     # any field of a job or request still waiting ("Refund: pending (5-7 working days)", "drainage_water": "requested")
     r"(?im:(?:^\s*|[.;]\s+)[a-z][\w ]{0,30}:\s*(?:pending|queued|awaiting|not yet (?:available|arranged|scheduled|assigned|booked|confirmed|known|decided)))|(?i:\"\w+\"\s*:\s*\"(?:pending|queued|requested|in_progress|awaiting\w*)\")",
-    r"(?i:\b(?:has been|was|been) (?:queued|scheduled|submitted|accepted|received)\b|\brequest accepted\b"
+    r"(?i:\b(?:has been|was|(?<!not )been) (?:queued|scheduled|submitted|accepted|received)\b|\brequest accepted\b"
     r"|\bis being (?:created|provisioned|processed|deployed|built|prepared|uploaded|sent|restored|migrated|generated|indexed|imported|exported)\b|\bstill (?:creating|running|waiting|processing|building|pending|in progress)\b)",
     # a message handed on to someone who has yet to answer ("your enquiry has been passed to a
     # surveyor", "we aim to reply within 10 working days", "this can take up to 45 days")
