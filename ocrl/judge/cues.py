@@ -92,7 +92,8 @@ _OPENING = re.compile(r"^\W*[^\W\d_][^\s\d,.!?;:]*(?:\s+[^\s\d,.!?;:]+){0,2}\s*[
 # request ("put it in the order we'd ..."); the three with no object ("add to basket", "sign me
 # up") are approvals, as are the 8 that name a calendar, notes or a basket to put a thing in
 # ("put the deadline in my calendar"), and the 4 that put an order or an offer in or through ("put
-# the order through with ..."). A bare "do it" or "keep it"/"keep that" (nothing after it
+# the order through with ..."), and the 43 that merge a change ("lgtm, merge", "merge the capacity fix";
+# "merge slides 3 and 4" edits). A bare "do it" or "keep it"/"keep that" (nothing after it
 # in its clause but an emoji) approves the answer as it stands: 10 labelled approvals, where "do
 # it again", "do it in inches" and "keep it under 40 characters" ask for a change.
 _PLACING = re.compile(
@@ -100,6 +101,7 @@ _PLACING = re.compile(
     r"|(?:put|pin|stick|pop|add|save) (?:(?:the|that|this) \w+(?: \w+)? )?(?:on|in|into|onto|to) (?:my|our) (?:calendar|diary|planner|notes"
     r"|basket|cart|trolley|wishlist|favourites|bookmarks)\b"
     r"|add to (?:the |my |our )?(?:basket|cart|trolley|calendar|diary|wishlist)\b|sign (?:me|us) up\b"
+    r"|(?:squash and )?merge(?=\W*$|\s+(?:it|that|this|away|when|to|into|and)\b|\s+(?:the|that|this) [\w-]+ (?:branch|pr|fix|changes|refactor)\b)"
     r"|put (?:the|my|our|an?|that|this) (?:order|offer|bid|request|claim|application|booking|payment|purchase|reservation)s? (?:in|through)\b(?!\s+(?:a|an|the|my|our|your|alphabetical|reverse)\b)|(?:do|keep) (?:it|that|this)(?=\s*(?:[.!,;]|[^\w\s'\"(]|$)))"
 )
 
@@ -133,6 +135,8 @@ _AGREEING = re.compile(r"(?i:\b(?:exactly|just|precisely) what\b[^.!?]{0,40}$)")
 # actually do", "the altos will actually know where to stand"): the 15 labelled such messages with
 # nothing before it ("nothing i can actually run") are thanks and next tasks
 _HOPING = re.compile(r"(?i:(?:^|[.!?]\s*)(?:(?!\b(?:nothing|anything)\b)[^.!?])*?\b(?:can|could|might|will|would)\s+$)")
+# ... and "fix" as a noun, after a determiner ("merge the capacity fix", "the socks were the fix")
+_DETERMINED = re.compile(r"(?i:\b(?:the|a|that|this|your|my|our)\s+(?:[\w-]+\s+){0,2}$)")
 _SAID_YES = re.compile(r"(?i:\s+(?:yes|yeah|yep|ok|okay)\b)")
 
 
@@ -155,7 +159,8 @@ def _first_edit(pattern: re.Pattern[str], text: str) -> re.Match[str] | None:
             _COUNTERFACTUAL.search(text, 0, match.start()) is not None or _OWN_DOING.search(text, 0, match.start()) is not None
         )
         hoping = word == "actually" and _HOPING.search(text, 0, match.start()) is not None
-        if not (conceding or comparing or supposing or agreeing or recalling or hoping) and not any(_PLACING.match(text, start) for start in starts):
+        naming = word == "fix" and _DETERMINED.search(text, 0, match.start()) is not None  # "merge the capacity fix": a noun
+        if not (conceding or comparing or supposing or agreeing or recalling or hoping or naming) and not any(_PLACING.match(text, start) for start in starts):
             return match
     return None
 
