@@ -273,7 +273,7 @@ def test_edit_cues_in_user_messages():
     assert cues.edit_cue("thanks, that's exactly what my GP said last week") is None
     assert cues.edit_cue("the vet said twice a day") == "said"
     # ... in a yes, or in a message that thanks (its "but" is what corrects)
-    assert cues.edit_cue("the club said yes 🎉 next, a kit list?") is None
+    assert cues.edit_cue("the club said yes 🎉 next, a kit list?") is None and cues.edit_cue("gp said fine, booked") is None
     assert cues.edit_cue("cheers, my uncle said the same about the boiler") is None
     assert cues.edit_cue("thanks but the vet said twice a day") == "but"
     # "actually" in what the answer makes possible; but not in what it leaves undone
@@ -329,6 +329,8 @@ def test_imperative_cues_and_signs_of_moving_on():
     assert moving_on.verdict_part("No markdown next time please. Who wrote Hamlet?") == ("No markdown next time please. ", "Who")
     assert moving_on.verdict_part("thanks") == ("thanks", None)
     assert moving_on.verdict_part("ok. new thing: the gate code changed") == ("ok. ", "new thing")
+    assert moving_on.verdict_part("ta. other thing, the tap drips") == ("ta. ", "other thing")
+    assert moving_on.verdict_part("that's a different thing entirely")[1] is None  # a verdict, not a new request
     # "now" closing the message, before an emoji or a stop, tells when, not what next
     assert moving_on.verdict_part("she's actually calm now 🙏") == ("she's actually calm now 🙏", None)
     assert embed_judge.decide({1: 0.99, -1: 0.01, 0: 0.0}, "thank you. she's actually calm now 🙏", "user") == (1, None)

@@ -137,7 +137,7 @@ _AGREEING = re.compile(r"(?i:\b(?:exactly|just|precisely) what\b[^.!?]{0,40}$)")
 _HOPING = re.compile(r"(?i:(?:^|[.!?]\s*)(?:(?!\b(?:nothing|anything)\b)[^.!?])*?\b(?:can|could|might|will|would)\s+$)")
 # ... and "fix" as a noun, after a determiner ("merge the capacity fix", "the socks were the fix")
 _DETERMINED = re.compile(r"(?i:\b(?:the|a|that|this|your|my|our)\s+(?:[\w-]+\s+){0,2}$)")
-_SAID_YES = re.compile(r"(?i:\s+(?:yes|yeah|yep|ok|okay)\b)")
+_SAID_YES = re.compile(r"(?i:\s+(?:yes|yeah|yep|ok|okay|fine)\b)")
 
 
 def _first_edit(pattern: re.Pattern[str], text: str) -> re.Match[str] | None:

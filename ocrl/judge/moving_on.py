@@ -25,7 +25,8 @@ _MOVES_ON = (
     re.compile(
         r"(?i:\b((?<!right )(?<!just )(?<!for )(?<!by )(?<!until )(?<!till )(?<!from )now(?!\s*(?:[.!;)]|[^\w\s]*\s*$))|next(?! to\b| time\b)|then|(?<!\bit )(?<!\bthis )(?<!\bthat )also|ahora|luego|también|jetzt|dann|danach|auch|maintenant|ensuite|aussi|adesso|poi|anche"
         r"|agora|depois|também|nu|daarna|ook|nå|også|också|teraz|też|także|teď|ted|také|nyt|myös|şimdi|ayrıca|acum|τώρα|επίσης"
-        r"|too(?=\s*(?:[?.!,]|$))|as well|same|moving on|on to|onto|new task|new thing|let'?s|after that|another thing|one more thing)\b)"
+        r"|too(?=\s*(?:[?.!,]|$))|as well|same|moving on|on to|onto|new task|new thing|let'?s|after that|another thing|one more thing"
+        r"|(?:other|different|separate|unrelated) thing(?=\s*[:,\u2014-]))\b)"
     ),
     re.compile(
         r"(?i:(?:^|[,.!:;\u2014]\s*)(?:(?:and|so|but|or|ok|okay) )?(how|what|where|when|why|which|who|is|are|does|do i|should|can i|could i)\b)"
