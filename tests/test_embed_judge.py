@@ -432,7 +432,8 @@ def test_a_new_question_of_the_users_own_moves_on():
     # a question about the answer, a complaint, a request for it again: no new question
     for text in ["is that per car?", "does the cheaper one clamp to a 40mm worktop?", "why a table?", "how about another one?",
                  "what about in Spanish instead?", "thanks!", "ok. what does 'reasonable adjustments' cover though?",
-                 "what does 'dry needling' mean there", "does sqlite cope with two volunteers checking out at the same time?"]:
+                 "what does 'dry needling' mean there", "does sqlite cope with two volunteers checking out at the same time?",
+                 "what does 'titrated' actually mean"]:
         assert moving_on.new_question(text) is None, text
     question = "ok. how long does a round of 18 usually take?"
     assert embed_judge.decide({1: 0.15, -1: 0.05, 0: 0.80}, question, "user") == (1, None)  # neutral leads: still +1

@@ -54,6 +54,8 @@ _NEW_QUESTION = re.compile(
     r"(?:and |also |separately,? |btw,? |meanwhile,? |different (?:thing|question)\W+)?"
     r"(what|what's|whats|where|when|when's|how|who|which|is there|are there|any|can i|should i|do i|do you know|best way|any tips|tips for)\b)"
 )
+# what a word of the answer means ("what does 'steroid-sparing' actually mean"): a question about it
+_ASKS_MEANING = re.compile(r"(?i:\bwhat does\b[^.!?]*\bmean\b)")
 _REFERS_BACK = re.compile(
     r"(?i:\b(?:that|this|it|its|it's|those|these|they|them|one|ones|you|your|yours|so|yeah|right\?|per|each|instead|again"
     r"|other|another|else|new|different|wait|hang on|hmm|or|though|there(?=\W*$))\b)"
@@ -66,7 +68,7 @@ def new_question(text: str) -> str | None:
     answer ("is that per car?") is no new question. Its shape only: `decide` reads it where
     no edit, redo or request cue is (those it has computed already)."""
     match = _NEW_QUESTION.search(text)
-    return None if match is None or _REFERS_BACK.search(text) else match.group(1)
+    return None if match is None or _REFERS_BACK.search(text) or _ASKS_MEANING.search(text) else match.group(1)
 
 
 # Question words beyond English, for a question after thanks in another language ("tack ska du
