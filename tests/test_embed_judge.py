@@ -770,6 +770,9 @@ def test_failure_cues_by_kind_of_tool_output():
         "There is a problem\n- Enter a valid postcode",  # a form's error summary
         "C7: =B7/A7  ->  #DIV/0!",  # a spreadsheet's error value
         "Your booking request has not been submitted. Check the highlighted fields.",
+        'Panic: index out of range\nthread: main',  # a panic, in any case
+        '{"items": [{"sku": "A1", "status": "owing"}], "order_status": "partial"}',  # a status field by any name
+        "Fehler: die Datei konnte nicht gelesen werden",  # "error" opening a line, in another language
         "Order 7 – PART READY\n✔ plasters – ready to collect\n✖ inhaler – not supplied",  # a heavy cross beside an item
         "2 x hinge ..... confirmed\n3 x latch ..... NOT AVAILABLE for delivery",  # a line of an order not filled
         '{"order": "77", "status": "partially_fulfilled", "backordered": [{"sku": "A1"}]}',

@@ -17,7 +17,7 @@ import re
 _FAILURE_CUES = (
     # runtimes: exception names, tracebacks and stack frames (Python, Java, Node), panics (Go, Rust)
     r"Traceback \(most recent call last\)|(?<!\b0 )\b(?!\w*NoError\b)\w*(?:Error|Exception)\b|\w+Timeout\b"
-    r"|\bpanic:|\bpanicked\b|\bgoroutine \d+ \[|(?m:^\s+at [\w$.<>]+ ?\(.*:\d+\)?\)?\s*$)",
+    r"|(?i:\bpanic:)|\bpanicked\b|\bgoroutine \d+ \[|(?m:^\s+at [\w$.<>]+ ?\(.*:\d+\)?\)?\s*$)",
     # words that report a failure, and exit codes (bare, or as JSON fields an agent's tool wraps them in)
     r"(?<!\b0 )(?<!\b[Nn]o )\b(?i:errors?|err!)(?![\w-]|\.\w)(?!\"?\s*[:=]\s*(?:null|\[\]|\{\}|\"\"|false|0\b))"
     r"|(?i:\b(?:exit(?:ed)?(?: with)?(?: code| status)?|non-zero exit status|returned non-zero(?: exit)?(?: status)?)\s*:?\s*[1-9])"
@@ -34,8 +34,9 @@ _FAILURE_CUES = (
     r"|(?m:^[^\w\n]*[✘✗❌✖](?!\s*\d))"
     # a line of an order or a batch taken out, with its reason, inside a body that succeeded
     r"|(?i:\[\s*\{[^\]]*?\"status\"\s*:\s*\"(?:cancel+ed|removed|rejected|refused|unavailable|out_of_stock)\"[^\]]*?\"reason\")"
-    r"|(?i:\"(?:status|state|result|outcome)\"\s*:\s*\"(?:failed|failure|error|errored|timed_?out|timeout|offline|unreachable|rejected|denied"
-    r"|returned|bounced|recalled|reversed|invalid(?:_\w+)?|undeliver(?:ed|able)|expired|not_?found|partial(?:ly)?(?:_\w+)?)\")"
+    r"|(?i:\"(?:\w+_)?(?:status|state|result|outcome)\"\s*:\s*\"(?:failed|failure|error|errored|timed_?out|timeout|offline|unreachable|rejected"
+    r"|denied|returned|bounced|recalled|reversed|invalid(?:_\w+)?|undeliver(?:ed|able)|expired|not_?found|partial(?:ly)?(?:_\w+)?|owing"
+    r"|back_?order(?:ed)?|out_of_stock)\")"
     r"|(?i:\bstatus:\s*(?:returned|bounced|recalled|reversed)\b|\breturned\s+[-\u2013\u2014]\s+(?!\d))"
     r"|\bfatal:|\bFATAL\b|\bFAILED\b|\bFAILURE\b|\bKilled\b|\b[1-9]\d* failed\b|\b(?:CrashLoop|ImagePull)BackOff\b|\bErrImagePull\b|\bOOMKilled\b"
     r"|(?i:(?<!(?<![=:])\b0 )\bfailed\b(?![:=]?\s*0\b)|(?<!(?<![=:])\b0 )(?<!\b[Nn]o )\bfailures?\b(?![:=]?\s*0\b)|\baborted\b|\bcrashed\b|\brejected\b|\bdeclined\b|\binsufficient\b|\bgiving up\b|\bgave up\b|\bunable to\b"
@@ -60,6 +61,8 @@ _FAILURE_CUES = (
     r"\s+(?:are |is |have |has )?(?:now )?closed\b|\bdeadline\b[^\n.]{0,40}\b(?:has|have) passed\b)"
     # the commonest words for "failed" in other languages (a mobile-money SMS, a localised CLI)
     r"|(?i:\b(?:falhou|falló|échoué|fehlgeschlagen|mislukt|misslyckades|mislyktes|epäonnistui|başarısız|sikertelen|selhalo)\b|失败|失敗|실패|не удалось)"
+    # ... and for "error" opening a line ("Erreur : le nombre maximal ...", "Fehler: ...")
+    r"|(?im:^\W*(?:erreur|fehler|errore|erro|fout|feil|virhe|hiba|błąd|chyba|greška|hata|ошибка|помилка|грешка)\s*:)"
     r"|\bFAIL\b|\bSSL_ERROR_\w+|(?m:^\S+\.go:\d+:\d+: )|(?i:\bbad signature\b)|(?i:(?<!\b0 )(?<!\bnot )(?<!\bnever )\bexpired\b)",
     # scanners that found something: vulnerabilities (osv-scanner, npm audit, pip-audit, grype), malware
     # (ClamAV's "<file>: <signature> FOUND", "Infected files: 1"), secrets (trufflehog, gitleaks)
