@@ -201,13 +201,20 @@ EDIT_VERBS = (
 ).split() + _COMPARATIVES_OF_EDITS
 # "you" as people type it to the assistant, in dialects too ("could ya", "can ye")
 _YOU = r"(?:you|u|ya|ye)"
+# a request that the answer itself do or be something ("could it include ...", "can the names be
+# bigger?", "can it also track wet nappies?"): of the 39 labelled such messages, the 31 that do not
+# move on are all corrections or change requests
+_ITSELF = (
+    r"\b(?:could|can|would|will|should) (?:it|the [\w-]+) (?:also |just |maybe )?"
+    r"(?:be|have|rhyme|sound|read|say|include|mention|use|go|start|end|track|show|list|skip|count|note|log|cover)\b"
+)
+_ASKS_ITSELF = re.compile(f"(?i:{_ITSELF})")
 _IMPERATIVE = re.compile(
     r"(?i:(?:^|[,.!;:\u2014\u2013-]\s*|\b(?:just|maybe|perhaps|pls|please|plz|and|but|then|(?:could|can|would|will) " + _YOU + r")\s+)"
     r"(?:" + "|".join(re.escape(verb) for verb in EDIT_VERBS) + r"|show(?!\s+(?:me|us)\b))\b"
-    # a request that the answer itself do or be something ("could it include ...", "can the names
-    # be bigger?", "can it also track wet nappies?")
-    r"|\b(?:could|can|would|will|should) (?:it|we|the [\w-]+|" + _YOU + r") (?:also |just |maybe )?"
-    r"(?:be|have|rhyme|sound|read|say|include|mention|use|go|start|end|track|show|list|skip|count|note|log|cover)\b"
+    # ... or the user or the assistant do something of it ("could we start at 9", "can you include ...")
+    r"|\b(?:could|can|would|will|should) (?:we|" + _YOU + r") (?:also |just |maybe )?"
+    r"(?:be|have|rhyme|sound|read|say|include|mention|use|go|start|end|track|show|list|skip|count|note|log|cover)\b|" + _ITSELF +
     # a request form that opens a clause, or a closing "please" in the commonest languages
     r"|(?:^|[,.!;:\u2014\u2013-]\s*)(?:(?:can|could|would|will) " + _YOU + r"|pls|plz|please)\b"
     r"|\b(?:please|pls|plz|por favor|bitte|s'il (?:te|vous) pla[iî]t|per favore)\s*[.!]?\s*$"
@@ -337,6 +344,14 @@ def imperative_cue(text: str) -> str | None:
     """The clause-opening edit verb of a user's message ("sign it ...", ", just drop ..."), or None."""
     match = _first_edit(_IMPERATIVE, text)
     return match.group(0).strip(" ,.!;:\u2014\u2013-") if match else None
+
+
+def asks_itself(text: str) -> str | None:
+    """The words of a user's message that ask the answer itself to do or be something ("can it
+    also log ...", "could the y-axis start at zero"), or None; `decide` reads them where the
+    message does not move on."""
+    match = _ASKS_ITSELF.search(text)
+    return match.group(0) if match else None
 
 
 def softened_request(text: str) -> str | None:

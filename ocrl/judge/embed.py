@@ -21,6 +21,7 @@ from ocrl.judge.committee import MEMBERS, Committee, load_committee, new_member
 from ocrl.judge.cues import (
     announced_edit,
     asks_again,
+    asks_itself,
     closing_contrast,
     contrast_elsewhere,
     dismissive_opening,
@@ -162,7 +163,8 @@ def decide(
     that for 7pm", "Brilliant, cc my partner on it": `praise_opening`); a request with an edit
     word ("great, but swap steps 2 and 3"), a request softened by "only"/"just" after an
     opening word or two in a language whose verbs the cues do not know, or by an English "just"
-    before such a verb ("perfetto, solo togli ...", "perfect 👌 just log ...": `softened_request`), a request for the answer again, and a
+    before such a verb ("perfetto, solo togli ...", "perfect 👌 just log ...": `softened_request`), a
+    request that the answer itself do or be more ("love it. can it also log ...": `asks_itself`), a request for the answer again, and a
     verdict with an edit word before moving on ("No formatting please. Moving on: ...", or a
     contrast the message closes on: "great, now put sunday as the cleaning day not saturday",
     "spot on. dispose of it properly though", `closing_contrast`) are never +1; and no user
@@ -221,7 +223,7 @@ def decide(
         edit, verb = edit_cue(next_state), None if on else imperative_cue(next_state)
         # a closing "too" or "as well" adds to the answer as often as it moves on: a softened request stays one
         adds = on is not None and on.strip().lower() in ("too", "as well")
-        softened = None if on and not adds else softened_request(next_state)
+        softened = (None if on and not adds else softened_request(next_state)) or (None if on else asks_itself(next_state))
         closing = closing_contrast(next_state)
         faulted = faulted_content(next_state)
         dismissive = dismissive_opening(next_state) or exasperated_close(next_state) or eye_roll(next_state) or faulted

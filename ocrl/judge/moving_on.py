@@ -115,10 +115,22 @@ def moves_on(text: str) -> str | None:
     return verdict_part(text)[1]
 
 
+# the answer's own "also" ("can the email also ask ..."), which asks more of it
+_ITS_OWN = re.compile(r"(?i:\b(?:could|can|would|will|should) the [\w-]+\s+$)")
+
+
+def _first_sign(pattern: re.Pattern[str], text: str) -> re.Match[str] | None:
+    """The first match of a sign of moving on that is not the answer's own "also"."""
+    for match in pattern.finditer(text):
+        if not (match.group(1).lower() == "also" and _ITS_OWN.search(text, 0, match.start(1))):
+            return match
+    return None
+
+
 def verdict_part(text: str) -> tuple[str, str | None]:
     """The part of a user's message before its first sign of moving on (the part that speaks of
     the previous answer; the whole message when it does not move on), and that sign or None."""
-    matches = [match for pattern in _MOVES_ON if (match := pattern.search(text))]
+    matches = [match for pattern in _MOVES_ON if (match := _first_sign(pattern, text))]
     if not matches:
         return text, None
     first = min(matches, key=lambda match: match.start(1))
