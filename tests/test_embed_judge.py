@@ -385,6 +385,7 @@ def test_contrast_only_and_redo_words_in_scripts_and_languages_beyond_the_common
         assert cues.softened_request(text) is None, text
     # asking again, in more languages; a bare "again" in a message that thanks asks for nothing
     for text, words in [("ulang lagi dong, cari nama yang lain", "ulang"), ("перепиши, пожалуйста", "перепиши"), ("重新写一个", "重新"),
+                        ("a3tini l-plan marra okhra", "marra okhra"),
                         ("skús to ešte raz", "ešte raz"), ("שוב, בבקשה", "שוב")]:
         assert cues.redo_cue(text) == words, text
     assert cues.redo_cue("תודה, שוב עובד") is None

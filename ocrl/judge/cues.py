@@ -263,7 +263,7 @@ _REDO_ELSEWHERE = any_of(
     "|təkrar|bir daha|qaytadan|boshidan|қайтадан|тағы бір рет|дахиад|шинээр|თავიდან|ხელახლა|კიდევ ერთხელ|նորից|կրկին|እንደገና|upya"
     "|kwa mara nyingine|mar kale|kabusha|van voor af|nog 'n keer|nog een keer|overnieuw|opnij|denove|ankò|un altre cop"
     "|una altra vegada|unwaith eto|arís|as an nua|upp á nýtt|umaftur|uuesti|veel kord|otsast|vēlreiz|no jauna|dar kartą|iš naujo"
-    "|uudestaan|vielä kerran|még egyszer|άλλη μια φορά|încă o dată|edhe një herë|nga fillimi|għal darb'oħra|mill-ġdid"
+    "|marra okhra|marra ukhra|marra o5ra|mara okhra|marra tanya|marra tania|marra thanya|uudestaan|vielä kerran|még egyszer|άλλη μια φορά|încă o dată|edhe një herë|nga fillimi|għal darb'oħra|mill-ġdid"
     "|nach eng kéier|nach emol",
     "重新|再来一次|再来一遍|再來一次|再写|再寫|再试|再試|重写|重寫|重做|再一次|もう一度|もう一回|やり直|書き直|作り直|再度|한 번 더|처음부터"
     "|다시 해|다시 써|다시 만들|다시 작성|อีกครั้ง|ทำใหม่|เขียนใหม่|ใหม่หมด|ម្តងទៀត|ອີກເທື່ອ",
