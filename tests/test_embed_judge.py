@@ -559,7 +559,8 @@ def test_a_change_to_the_layout_of_the_answer_is_never_plus_one():
     for text, clause in [("cool, show the high score under the score", "show the high score under"),
                          ("stick a checkbox next to each one", "stick a checkbox next to"),
                          ("thanks, add my licence number at the top", "add my licence number at the top"),
-                         ("great, move the gloves warning to the top for the kids", "move the gloves warning to the top")]:
+                         ("great, move the gloves warning to the top for the kids", "move the gloves warning to the top"),
+                         ("lovely 👌 pop the opening hours at the bottom", "pop the opening hours at the bottom")]:  # after an emoji
         assert cues.placement_edit(text) == clause, text
         assert embed_judge.decide({1: 0.99, -1: 0.01, 0: 0.0}, text, "user")[0] != 1, text
     # a question about how to place something moves on; "show me" asks for something new

@@ -283,7 +283,7 @@ THANKS = any_of(
 # layout. On the labelled cases 39 of the 41 such messages are change requests; the two next tasks
 # ("add paging buttons underneath") read as -1 either way.
 _PLACEMENT = re.compile(
-    r"(?i:(?:^|[,.!;:]\s*|\b(?:just|pls|please|and|then|(?:can|could|would) (?:you|u))\s+)(?:show|put|move|add|stick|place|display|pop)\b"
+    r"(?i:(?:^|[,.!;:\u2600-\u27BF\U0001F000-\U0001FAFF]\s*|\b(?:just|pls|please|and|then|(?:can|could|would) (?:you|u))\s+)(?:show|put|move|add|stick|place|display|pop)\b"
     r"[^.!?\n]{1,40}?\b(?:under|underneath|below|above|next to|beside|on top of|(?:at|to) the (?:top|bottom|end|start)|(?:top|bottom) (?:left|right))\b)"
 )
 
@@ -292,7 +292,7 @@ def placement_edit(text: str) -> str | None:
     """The clause of a user's message that moves or adds something of the answer to a place in its
     layout ("show the date seen under each name"), or None."""
     match = _PLACEMENT.search(text)
-    return match.group(0).strip(" ,.!;:") if match else None
+    return re.sub(r"^\W+", "", match.group(0)).strip(" ,.!;:") if match else None
 
 
 # A clause that puts the answer's items in another order ("sort them by price pls", "list the parts
