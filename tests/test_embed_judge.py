@@ -950,6 +950,7 @@ def test_tool_output_that_reports_no_outcome_yet_is_zero():
         "Thanks. Your note has been passed to the parish clerk.",  # handed on to someone who has yet to answer
         "Ticket T-5120 logged. We aim to respond within 3 working days.",
         "Refund requested. This can take up to 10 days to show on your statement.",
+        "Automatic reply: I am away until Monday and will answer then.",  # an auto-reply: not read yet
     ]
     for text in pending + empty:
         assert tool_cues.tool_no_verdict(text) is not None, text
