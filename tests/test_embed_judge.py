@@ -281,7 +281,8 @@ def test_edit_cues_in_user_messages():
     assert cues.edit_cue("there's nothing here I can actually cook") == "actually"
     assert cues.edit_cue("actually, make it Thursday") == "actually"
     # "no" in a fault gone or a doubt settled: "no more X", "had no idea", "no complaints"
-    for text in ["no more squeaking 🎉 now the hinge on the shed", "had no idea the filter came out, ta", "no worries, ship it"]:
+    for text in ["no more squeaking 🎉 now the hinge on the shed", "had no idea the filter came out, ta", "no worries, ship it",
+                 "had no clue about the valve, thanks", "cheers, my sister says thanks too"]:
         assert cues.edit_cue(text) is None, text
     assert cues.edit_cue("no, the other one") == "no" and cues.edit_cue("I have no idea what this means") == "no"
     # idioms of approval, and a "but at least" that concedes
@@ -951,6 +952,7 @@ def test_tool_output_that_reports_no_outcome_yet_is_zero():
         "Ticket T-5120 logged. We aim to respond within 3 working days.",
         "Refund requested. This can take up to 10 days to show on your statement.",
         "Automatic reply: I am away until Monday and will answer then.",  # an auto-reply: not read yet
+        "No plumbers found within 5 miles of LS6. Try a wider area.",  # a search near a place that found nothing
     ]
     for text in pending + empty:
         assert tool_cues.tool_no_verdict(text) is not None, text

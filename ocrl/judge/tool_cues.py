@@ -237,6 +237,7 @@ _NO_VERDICT_CUES = (
     rf"(?i:\bno (?:\w+ ){{0,2}}?(?:{_FOUND_NOUNS})(?: \w+){{0,2}}? (?:found|matched|match|matching|available|yet)\b"
     r"|\bfound no (?!issues|problems|errors|warnings|vulnerabilit|differences|discrepancies)|\bnothing (?:on (?:your|the)\b|found|to show|matched|scheduled)"
     r"|\bempty set\b|\bis empty\b|\(empty[\w ]*\)|\bno new \w+|^\s*no (?:results|matches|hits|entries|items|records|events)\b)",
+    r"(?i:\bno [\w -]{1,40}? (?:found|(?:are |is )?available) (?:within \d|in your area\b))",
     r"(?i:\bno (?:\w+ ){0,3}match(?:es)? your search\b|^\W*(?:\$ [^\n]*\n)?no (?:matches|results)\b|\bno resources found\b)",
     # empty output: nothing at all, an empty stdout, a command echoed with only its exit status 0 after it
     r"^\s*(?:\[\s*\]|\{\s*\}|null|\(no (?:stdout|output)\))\s*$|(?:^|\s)\[\s*\]\s*$|(?m:^\W*empty list\W*$)",
