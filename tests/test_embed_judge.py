@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ocrl.judge import cues, moving_on, tool_cues, unread
+from ocrl.judge import cues, faults, moving_on, tool_cues, unread
 from ocrl.judge import embed as embed_judge
 from ocrl.judge import ngrams
 from ocrl.judge import classifier as judge_classifier
@@ -448,7 +448,7 @@ def test_a_new_question_of_the_users_own_moves_on():
     assert embed_judge.decide({1: 0.3, -1: 0.05, 0: 0.65}, "too long. how do I parse a csv without pandas", "user")[0] != 1
     # a contrast the message closes on is a verdict on the answer, even after a sign of moving on
     closing = "great, now make thursday the gym day not friday"
-    assert cues.closing_contrast(closing) == "not friday" and cues.closing_contrast("firm but not cold, thanks") is None
+    assert faults.closing_contrast(closing) == "not friday" and faults.closing_contrast("firm but not cold, thanks") is None
     assert embed_judge.decide({1: 0.93, -1: 0.06, 0: 0.01}, closing, "user")[0] != 1
     assert embed_judge.decide({1: 0.93, -1: 0.06, 0: 0.01}, "great, now make a packing list for the gym", "user")[0] == 1
 
@@ -456,23 +456,23 @@ def test_a_new_question_of_the_users_own_moves_on():
 def test_a_message_that_waves_the_answer_away_is_never_plus_one():
     certain = {1: 0.97, -1: 0.02, 0: 0.01}
     for text, word in [("meh. rebuild it from the ground up", "meh"), ("Nah, do the intro over", "Nah"), ("nope", "nope")]:
-        assert cues.dismissive_opening(text) == word, text
+        assert faults.dismissive_opening(text) == word, text
         assert embed_judge.decide(certain, text, "user")[0] == -1, text
     assert embed_judge.decide(certain, "meh. ok I guess", "user") == (-1, "meh")
     # one that thanks, and a word that only starts like one, wave nothing away
     for text in ["nah that's perfect, thanks", "nahuatl has no word for it?", "great, meh bits are gone"]:
-        assert cues.dismissive_opening(text) is None, text
+        assert faults.dismissive_opening(text) is None, text
     assert embed_judge.decide(certain, "nah that's perfect, thanks", "user") == (1, None)
     # nor is one that closes on "come on"; a light that should come on at sunset asks for a task
-    assert cues.exasperated_close("20 warnings and 3 steps, come on") == "come on"
+    assert faults.exasperated_close("20 warnings and 3 steps, come on") == "come on"
     assert embed_judge.decide(certain, "20 warnings and 3 steps, come on", "user")[0] != 1
-    assert cues.exasperated_close("now make the porch light come on at sunset every day") is None
+    assert faults.exasperated_close("now make the porch light come on at sunset every day") is None
     # nor is one that rolls its eyes, however it is worded; a facepalm before thanks laughs at oneself
-    assert cues.eye_roll("oh great, a twelve-step plan for boiling an egg 🙄") == "🙄"
+    assert faults.eye_roll("oh great, a twelve-step plan for boiling an egg 🙄") == "🙄"
     assert embed_judge.decide(certain, "wow, thanks, so helpful 🙄", "user")[0] != 1
-    assert cues.eye_roll("it was the sticker 🤦 thank u") is None
-    assert cues.eye_roll("same tips as last week, thanks for nothing") == "thanks for nothing"  # in words
-    assert cues.eye_roll("thanks for everything, it works") is None
+    assert faults.eye_roll("it was the sticker 🤦 thank u") is None
+    assert faults.eye_roll("same tips as last week, thanks for nothing") == "thanks for nothing"  # in words
+    assert faults.eye_roll("thanks for everything, it works") is None
 
 
 def test_a_message_in_a_script_the_encoder_cannot_read_is_plus_one_only_when_the_committee_is_sure():
@@ -596,11 +596,11 @@ def test_a_fault_found_in_the_content_of_the_answer_is_never_plus_one():
                        ("that was removed ages ago", "was removed"), ("st.cache is deprecated", "deprecated"),
                        ("ok, sunscreen. five times in one answer", "five times in one answer"),  # the same thing over and over
                        ("you've said it 6 times, I know", "you've said it 6 times")]:
-        assert cues.faulted_content(text) == word, text
+        assert faults.faulted_content(text) == word, text
         assert embed_judge.decide(sure, text, "user")[0] != 1, text
     # one that thanks may tell of a fault the answer fixed
-    assert cues.faulted_content("thanks, the deprecated call is gone and it runs") is None
-    assert cues.faulted_content("she said three times she would ring back") is None  # not said in the answer
+    assert faults.faulted_content("thanks, the deprecated call is gone and it runs") is None
+    assert faults.faulted_content("she said three times she would ring back") is None  # not said in the answer
     assert embed_judge.decide(sure, "thanks, the deprecated call is gone and it runs", "user") == (1, None)
 
 
@@ -676,8 +676,8 @@ def test_a_user_edit_cue_keeps_plus_one_away_unless_the_classifier_is_sure():
     assert embed_judge.decide({1: 0.9, -1: 0.09, 0: 0.01}, "nice. log the request ids too", "user")[0] != 1
     assert embed_judge.decide({1: 0.96, -1: 0.03, 0: 0.01}, "nice. log the request ids too", "user")[0] == 1
     # a closing "though" that asks nothing and thanks for nothing: never +1
-    assert cues.closing_contrast("spot on. store it properly though") == "though"
-    assert cues.closing_contrast("thanks though") is None and cues.closing_contrast("is it safe though?") is None
+    assert faults.closing_contrast("spot on. store it properly though") == "though"
+    assert faults.closing_contrast("thanks though") is None and faults.closing_contrast("is it safe though?") is None
     assert embed_judge.decide({1: 0.97, -1: 0.02, 0: 0.01}, "spot on. store it properly though", "user")[0] != 1
     # one that does not: the strict guard (0.85), for an edit word and for a clause-opening edit verb alike
     assert embed_judge.decide(fairly_sure, "thanks, but no rush on the rest", "user") == (-1, "but")

@@ -22,13 +22,8 @@ from ocrl.judge.cues import (
     announced_edit,
     asks_again,
     asks_itself,
-    closing_contrast,
     contrast_elsewhere,
-    dismissive_opening,
     edit_cue,
-    exasperated_close,
-    eye_roll,
-    faulted_content,
     imperative_cue,
     placement_edit,
     praise_opening,
@@ -36,6 +31,7 @@ from ocrl.judge.cues import (
     reorder_edit,
     softened_request,
 )
+from ocrl.judge.faults import closing_contrast, dismissive_opening, exasperated_close, eye_roll, faulted_content
 from ocrl.judge.moving_on import new_question, sends_it, thanked_question, verdict_part
 from ocrl.judge.ngrams import NGramSettings
 from ocrl.judge.tool_cues import tool_failure, tool_no_verdict
