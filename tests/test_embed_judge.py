@@ -400,7 +400,8 @@ def test_putting_the_answer_somewhere_acts_on_it_and_a_comparative_asks_for_a_ch
                  "sure, do it", "yep that's the one, keep it", "do it, go ahead and book", "reads well, put it live",
                  "love it. drop it in the family chat", "add all of it to the basket, i'll pay later",
                  "looks right, put the order through with the corner shop", "fine by me, put the bid in",
-                 "lgtm, merge", "tidy, merge the timeout fix", "love it, merge into main"]:
+                 "lgtm, merge", "tidy, merge the timeout fix", "love it, merge into main", "ok, switch the heater on",
+                 "switch us to the cheaper tariff"]:
         assert cues.edit_cue(text) is None and cues.imperative_cue(text) is None, text
     # putting it into a form, or another clause that edits, is still a change
     assert cues.edit_cue("put it in a table") == "put it" and cues.imperative_cue("put it in a table") == "put"
@@ -408,6 +409,7 @@ def test_putting_the_answer_somewhere_acts_on_it_and_a_comparative_asks_for_a_ch
     assert cues.imperative_cue("do it in Python instead") == "do" and cues.edit_cue("keep it under 50 words") is not None
     assert cues.imperative_cue("put the order in a table") == "put"  # an order as a sequence, to lay out
     assert cues.imperative_cue("ok, merge the two intro paragraphs") == "merge"  # merging parts of the answer edits it
+    assert cues.imperative_cue("switch it to a bar chart") == "switch"
     assert cues.edit_cue("the retry fix worked, thanks") is None and cues.edit_cue("fix the header") == "fix"  # "fix" as a noun
     # "ta" and "cheers" open with thanks: a request after them needs the praise guard
     assert cues.praise_opening("ta. add the tent pegs") == "ta" and cues.praise_opening("cheers, swap tuesday") == "cheers"

@@ -91,8 +91,9 @@ _OPENING = re.compile(r"^\W*[^\W\d_][^\s\d,.!?;:]*(?:\s+[^\s\d,.!?;:]+){0,2}\s*[
 # request ("put it in the order we'd ..."); the three with no object ("add to basket", "sign me
 # up") are approvals, as are the 8 that name a calendar, notes or a basket to put a thing in
 # ("put the deadline in my calendar"), and the 4 that put an order or an offer in or through ("put
-# the order through with ..."), and the 43 that merge a change ("lgtm, merge", "merge the capacity fix";
-# "merge slides 3 and 4" edits). A bare "do it" or "keep it"/"keep that" (nothing after it
+# the order through with ..."), the 43 that merge a change ("lgtm, merge", "merge the capacity fix";
+# "merge slides 3 and 4" edits) and the 5 that switch a thing on or the user over ("switch me to the
+# blue plan"; "switch it to a line chart" edits). A bare "do it" or "keep it"/"keep that" (nothing after it
 # in its clause but an emoji) approves the answer as it stands: 10 labelled approvals, where "do
 # it again", "do it in inches" and "keep it under 40 characters" ask for a change.
 _PLACING = re.compile(
@@ -100,6 +101,7 @@ _PLACING = re.compile(
     r"|(?:put|pin|stick|pop|add|save) (?:(?:the|that|this) \w+(?: \w+)? )?(?:on|in|into|onto|to) (?:my|our) (?:calendar|diary|planner|notes"
     r"|basket|cart|trolley|wishlist|favourites|bookmarks)\b"
     r"|add to (?:the |my |our )?(?:basket|cart|trolley|calendar|diary|wishlist)\b|sign (?:me|us) up\b"
+    r"|switch (?:it|them|that|this|the [\w-]+) (?:on|off)\b|switch (?:me|us)\b"
     r"|(?:squash and )?merge(?=\W*$|\s+(?:it|that|this|away|when|to|into|and)\b|\s+(?:the|that|this) [\w-]+ (?:branch|pr|fix|changes|refactor)\b)"
     r"|put (?:the|my|our|an?|that|this) (?:order|offer|bid|request|claim|application|booking|payment|purchase|reservation)s? (?:in|through)\b(?!\s+(?:a|an|the|my|our|your|alphabetical|reverse)\b)|(?:do|keep) (?:it|that|this)(?=\s*(?:[.!,;]|[^\w\s'\"(]|$)))"
 )
