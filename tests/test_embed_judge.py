@@ -331,6 +331,7 @@ def test_imperative_cues_and_signs_of_moving_on():
     assert moving_on.verdict_part("thanks") == ("thanks", None)
     assert moving_on.verdict_part("ok. new thing: the gate code changed") == ("ok. ", "new thing")
     assert moving_on.verdict_part("ta. other thing, the tap drips") == ("ta. ", "other thing")
+    assert moving_on.verdict_part("glued ✅ how do I sand it without scratches") == ("glued ✅ ", "how")  # after an emoji
     assert moving_on.verdict_part("that's a different thing entirely")[1] is None  # a verdict, not a new request
     # "now" closing the message, before an emoji or a stop, tells when, not what next
     assert moving_on.verdict_part("she's actually calm now 🙏") == ("she's actually calm now 🙏", None)

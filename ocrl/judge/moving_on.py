@@ -29,7 +29,7 @@ _MOVES_ON = (
         r"|(?:other|different|separate|unrelated) thing(?=\s*[:,\u2014-]))\b)"
     ),
     re.compile(
-        r"(?i:(?:^|[,.!:;\u2014]\s*)(?:(?:and|so|but|or|ok|okay) )?(how|what|where|when|why|which|who|is|are|does|do i|should|can i|could i)\b)"
+        r"(?i:(?:^|[,.!:;\u2014\u2600-\u27BF\U0001F000-\U0001FAFF]\s*)(?:(?:and|so|but|or|ok|okay) )?(how|what|where|when|why|which|who|is|are|does|do i|should|can i|could i)\b)"
     ),
     re.compile(
         r"(?i:(?:^|[,.!;:\u2014]\s*|\b(?:(?:could|can|would|will) (?:you|u)|pls|please|plz|just|and|then)\s+)\W*"
