@@ -285,6 +285,7 @@ def test_edit_cues_in_user_messages():
                  "had no clue about the valve, thanks", "cheers, my sister says thanks too"]:
         assert cues.edit_cue(text) is None, text
     assert cues.edit_cue("no, the other one") == "no" and cues.edit_cue("I have no idea what this means") == "no"
+    assert cues.edit_cue("go a notch warmer on the intro") == "a notch"  # a hedged degree
     # idioms of approval, and a "but at least" that concedes
     for text in ["not bad, post it", "can't fault it, ship", "steep but at least it's done, ta"]:
         assert cues.edit_cue(text) is None, text
@@ -783,6 +784,7 @@ def test_failure_cues_by_kind_of_tool_output():
         'Panic: index out of range\nthread: main',  # a panic, in any case
         '{"items": [{"sku": "A1", "status": "owing"}], "order_status": "partial"}',  # a status field by any name
         "Fehler: die Datei konnte nicht gelesen werden",  # "error" opening a line, in another language
+        "Ferry 07:15: no cabins left\nNo booking has been made.",  # nothing booked
         "Order 7 – PART READY\n✔ plasters – ready to collect\n✖ inhaler – not supplied",  # a heavy cross beside an item
         "2 x hinge ..... confirmed\n3 x latch ..... NOT AVAILABLE for delivery",  # a line of an order not filled
         '{"order": "77", "status": "partially_fulfilled", "backordered": [{"sku": "A1"}]}',

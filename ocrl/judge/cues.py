@@ -27,7 +27,7 @@ _EDIT_CUE = re.compile(
     r"(?i:\b(?:pero|aber|sondern|mais|però|maar|mas|en vez de|en lugar de|statt|anstatt|au lieu de|invece di|em vez de|in plaats van)\b"
     r"|\b(?:but|instead|rather|actually|change|rename|replace|swap|switch|remove|drop|delete|shorten|lengthen|rewrite|redo|fix"
     r"|again|still|wrong|not(?! bad\b| changing a thing\b| gonna lie\b)|no(?! more\b| (?:problems?|doubts?|complaints|worries)\b)(?!(?<=had no) (?:idea|clue)\b)|nope|never|without|(?<!\bta )(?<!thanks )(?<!cheers )(?<!thank you )too|should|supposed|meant|asked|said|told)\b"
-    r"|\b(?:a (?:bit|little|tad)(?! of\b)|bit of a|kinda|(?<!some )(?<!what )(?:kind|sort) of|slightly|a touch) (?=\w)"
+    r"|\b(?:a (?:bit|little|tad)(?! of\b)|bit of a|kinda|(?<!some )(?<!what )(?:kind|sort) of|slightly|a touch|a (?:shade|notch|smidge|hair)) (?=\w)"
     r"|n't\b(?! (?:argue|fault)\b)|\b(?:make|sign|call|title|address|put|turn|keep|write|do|give) (?:it|them|this|that|the \w+)\b"
     r"|\b(?:in|into|as) (?:a |an )?(?:english|spanish|french|german|italian|portuguese|dutch|polish|japanese|chinese|korean"
     r"|bullet|bullets|bullet points|list|table|json|csv|markdown|plain text|haiku|poem)\b|^\s*(?:use|add|less|more|shorter|longer)\b)"

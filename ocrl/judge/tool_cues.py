@@ -46,6 +46,7 @@ _FAILURE_CUES = (
     r"|\b(?:is|are) required\b|\balready (?:taken|booked|in use)\b|\bis not (?:a )?(?:valid|real|defined|supported)\b"
     r"|\b(?:was|were) not (?:sent|saved|added|created|written|delivered|applied|published|uploaded|deleted|updated|imported|copied|moved)\b"
     r"|\b(?:has|have) not been (?:sent|saved|submitted|processed|accepted|approved|booked)\b"
+    r"|\bno (?:booking|order|reservation|payment|appointment|purchase) (?:(?:has|have) been|was|were) (?:made|placed|taken|booked)\b"
     r"|\bnothing was (?:sent|saved|added|created|written|delivered|imported|copied|moved)\b|\bonly (?:the )?(?:\w+ ){0,2}(?:owners?|admins?|administrators?|members?) can\b)"
     r"|\bdebugger invoked on\b|(?i:\bis unbound\b)"  # a Lisp condition that stops in the debugger
     # a printer stopped by a fault (CUPS: "printer X disabled since ..."; a paper jam)
