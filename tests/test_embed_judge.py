@@ -660,6 +660,7 @@ def test_a_softened_request_after_an_opening_is_never_plus_one():
     assert embed_judge.decide(certain, "ulang lagi dong", "user") == (-1, "ulang")  # a redo request, in Indonesian
     # a request that the answer itself do or be more, unless the message moves on
     assert embed_judge.decide(certain, "love it. could the chart also show last year", "user")[0] == -1  # its own "also"
+    assert embed_judge.decide(certain, "runs fine. could it list the fixtures as well", "user")[0] == -1  # a closing "as well" adds
     assert cues.asks_itself("lovely. can it also track naps") == "can it also track" and moving_on.moves_on("can the email also ask") is None
     assert embed_judge.decide(certain, "ordered. now what do i do with the old tank, can it go to the tip?", "user") == (1, None)
     # an English "just" before a verb no cue knows, even with a closing "as well", which adds as often as it moves on
