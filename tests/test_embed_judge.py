@@ -599,7 +599,8 @@ def test_a_fault_found_in_the_content_of_the_answer_is_never_plus_one():
                        ("what is 37, what is 412... magic numbers all over the place", "magic numbers"),
                        ("that was removed ages ago", "was removed"), ("st.cache is deprecated", "deprecated"),
                        ("ok, sunscreen. five times in one answer", "five times in one answer"),  # the same thing over and over
-                       ("you've said it 6 times, I know", "you've said it 6 times")]:
+                       ("you've said it 6 times, I know", "you've said it 6 times"),
+                       ("that's the third 'stay hydrated' today. noted", "that's the third 'stay hydrated' today")]:
         assert faults.faulted_content(text) == word, text
         assert embed_judge.decide(sure, text, "user")[0] != 1, text
     # one that thanks may tell of a fault the answer fixed

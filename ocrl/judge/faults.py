@@ -73,7 +73,8 @@ def dismissive_opening(text: str) -> str | None:
 # A fault found in the answer's content that no one says of a good one: code that is unreadable,
 # hard-coded or full of magic numbers, or an API, library or call that is deprecated, archived,
 # outdated or removed ("tui-rs is archived. ratatui is the maintained fork"), or the same thing said
-# over and over in it ("six times in one answer": 6 of 6 labelled complaints). On the labelled cases
+# over and over in it ("six times in one answer": 6 of 6 labelled complaints; "that's the fourth
+# 'buzz on the mouthpiece' tonight", "that's the fifth time": 4 of 4). On the labelled cases
 # all 37 distinct user messages with such a word are corrections, redo requests or complaints; one
 # that thanks may be telling of a fault the answer fixed ("thanks, the deprecated call is gone").
 _FAULTED = re.compile(
@@ -82,7 +83,9 @@ _FAULTED = re.compile(
     # the same thing said again and again in it ("six times in one answer", "you've said it 4 times")
     r"|(?:twice|(?:three|four|five|six|seven|eight|nine|ten|\d+) times) in (?:one|a single|the same|1|your|that|this|one single)"
     r" (?:answer|message|reply|response|list|paragraph|page|post)|you(?:'ve| have)? (?:said|told me|mentioned) (?:(?:it|that|this) )?(?:three|four|five"
-    r"|six|seven|eight|nine|ten|\d+) times)\b)"
+    r"|six|seven|eight|nine|ten|\d+) times"
+    # ... or counted as it comes again ("that's the fifth time", "that's the fourth 'buzz' tonight")
+    r"|that'?s the (?:second|third|fourth|fifth|sixth|seventh|\d+(?:st|nd|rd|th)) (?:time|[^.!?]{1,40}?\b(?:tonight|today|this (?:week|morning|evening))))\b)"
 )
 
 
