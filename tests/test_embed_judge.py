@@ -957,6 +957,7 @@ def test_tool_output_that_reports_no_outcome_yet_is_zero():
         "Reference PH/24/06612: allocated to an officer. Inspection date: not yet arranged.",
         "Thanks. Your note has been passed to the parish clerk.",  # handed on to someone who has yet to answer
         "Ticket T-5120 logged. We aim to respond within 3 working days.",
+        "Note sent to the clinic. The team aims to reply within a week.",
         "Refund requested. This can take up to 10 days to show on your statement.",
         "Automatic reply: I am away until Monday and will answer then.",  # an auto-reply: not read yet
         "No plumbers found within 5 miles of LS6. Try a wider area.",  # a search near a place that found nothing

@@ -218,7 +218,7 @@ _NO_VERDICT_CUES = (
     r"|\bis being (?:created|provisioned|processed|deployed|built|prepared|uploaded|sent|restored|migrated|generated|indexed|imported|exported)\b|\bstill (?:creating|running|waiting|processing|building|pending|in progress)\b)",
     # a message handed on to someone who has yet to answer ("your enquiry has been passed to a
     # surveyor", "we aim to reply within 10 working days", "this can take up to 45 days")
-    r"(?i:\b(?:has been|will be|was) passed (?:on )?to\b|\baim to (?:reply|respond)\b|\bcan take up to \d)",
+    r"(?i:\b(?:has been|will be|was) passed (?:on )?to\b|\baims? to (?:reply|respond)\b|\bcan take up to \d)",
     # an automatic reply: the person has not read it yet ("Auto-reply: ... I am away until 12 November")
     r"(?i:\bauto-?repl(?:y|ied)\b|\bautomatic reply\b|\bi am (?:currently )?away\b|\bout of (?:the )?office until\b)",
     # a job handed over: accepted (HTTP 202), queued, scheduled, started or triggered
