@@ -727,11 +727,11 @@ def test_shipped_fit_data_and_held_out_cases_are_valid_and_disjoint():
     for number in (*range(20, 35, 2), *range(36, 43)):
         assert {case.next_state for case in load_cases(DATA / f"judge_heldout_{number}.jsonl")} <= fit_states, number
     # the fifth (spent, a regression floor), the odd twenty-first to thirty-fifth (spent: dev sets
-    # the candidates are compared on) and the forty-third to sixty-second, each written blind and
+    # the candidates are compared on) and the forty-third to sixty-eighth, each written blind and
     # committed before any judge was scored on it: disjoint from the fit data, the reported cases
     # and each other
     seen = fit_states | reported_states
-    numbers = (21, 23, 25, 27, 29, 31, 33, 35, *range(43, 63))
+    numbers = (21, 23, 25, 27, 29, 31, 33, 35, *range(43, 69))
     for name, size in (("judge_heldout_5.jsonl", 290), *((f"judge_heldout_{n}.jsonl", 320) for n in numbers)):
         blind = load_cases(DATA / name)
         assert len(blind) >= size
@@ -1018,14 +1018,16 @@ async def test_blind_held_out_set_meets_the_bar(judge, number):
     # failure status value): 301/325 = 0.926. The fifty-fifth by the forty-eighth (the same
     # committee; guards for a long message in words the encoder's vocabulary lacks and for a bare
     # statement, and the fifty-third and fifty-fourth sets' tool cues): 308/325 = 0.948. The bar
-    # holds on these sets, not on every blind set: of the eighteen scored blind from the
-    # forty-fifth to the sixty-second, two met it, fourteen read 0.92 or more, and the others had 1
-    # to 3 at +1 (the forty-sixth 0.914 with 3, forty-seventh 0.957 with 3, forty-eighth 0.945 with
+    # holds on these sets, not on every blind set: of the twenty-four scored blind from the
+    # forty-fifth to the sixty-eighth, two met it, seventeen read 0.92 or more, and the others had 1
+    # to 7 at +1 (the forty-sixth 0.914 with 3, forty-seventh 0.957 with 3, forty-eighth 0.945 with
     # 1, forty-ninth 0.942 with 1, fiftieth 0.926 with 1, fifty-first 0.969 with 1, fifty-second
     # 0.932 with 2, fifty-third 0.966 with 1, fifty-fourth 0.929 with 1, fifty-sixth 0.926 with 2,
     # fifty-seventh 0.948 with 1, fifty-eighth 0.951 with 1, fifty-ninth 0.935 with 1, sixtieth
-    # 0.911 with 3, sixty-first 0.905 with 2, sixty-second 0.898 with 1). What ships reads the
-    # forty-fifth 303/325 and the fifty-fifth 308/325, none at +1 in either.
+    # 0.911 with 3, sixty-first 0.905 with 2, sixty-second 0.898 with 1, sixty-third 0.914 with 3,
+    # sixty-fourth 0.926 with 2, sixty-fifth 0.905 with 7, sixty-sixth 0.938 with 1, sixty-seventh
+    # 0.926 with 1, sixty-eighth 0.886 with 5). What ships reads the forty-fifth 305/325 and the
+    # fifty-fifth 310/325, none at +1 in either.
     report = await evaluate(judge, load_cases(DATA / f"judge_heldout_{number}.jsonl"))
     assert report["accuracy"] >= 0.92, report["misses"]
     assert report["confusion"][-1][1] == 0, report["misses"]
@@ -1056,8 +1058,10 @@ async def test_blind_held_out_accuracy_floor(judge):
     # forty-ninth 0.942 with 1, fiftieth 0.926 with 1, fifty-first 0.969 with 1, fifty-second 0.932
     # with 2, fifty-third 0.966 with 1, fifty-fourth 0.929 with 1, fifty-fifth 0.948 with none,
     # fifty-sixth 0.926 with 2, fifty-seventh 0.948 with 1, fifty-eighth 0.951 with 1, fifty-ninth
-    # 0.935 with 1, sixtieth 0.911 with 3, sixty-first 0.905 with 2, sixty-second 0.898 with 1;
-    # what ships (the committee fitted on 12,077 cases) reads this one 304/325 = 0.935 with none.
+    # 0.935 with 1, sixtieth 0.911 with 3, sixty-first 0.905 with 2, sixty-second 0.898 with 1,
+    # sixty-third 0.914 with 3, sixty-fourth 0.926 with 2, sixty-fifth 0.905 with 7, sixty-sixth
+    # 0.938 with 1, sixty-seventh 0.926 with 1, sixty-eighth 0.886 with 5; what ships (the
+    # committee fitted on 12,077 cases) reads this one 304/325 = 0.935 with none.
     assert report["accuracy"] >= 0.91, report["misses"]
     assert report["confusion"][-1][1] <= 1, report["misses"]
 
@@ -1075,7 +1079,7 @@ async def test_spent_fifth_set_floor(judge):
     # twentieth (its cues and floor), 0.948 with none for the twenty-first, 0.951 with none for
     # the twenty-second, 0.954 with none for the twenty-third and the twenty-fourth, 0.957 with none
     # (292/305) for the thirty-ninth and later, fitted on 9,802 cases, and the same for the
-    # forty-second, fitted on 12,077. A regression guard.
+    # forty-second, fitted on 12,077; 0.961 with none (293/305) for the sixty-first. A regression guard.
     report = await evaluate(judge, load_cases(DATA / "judge_heldout_5.jsonl"))
     assert report["accuracy"] >= 0.93, report["misses"]
     assert report["confusion"][-1][1] <= 1, report["misses"]
