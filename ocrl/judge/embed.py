@@ -159,11 +159,12 @@ def decide(
     that for 7pm", "Brilliant, cc my partner on it": `praise_opening`); a request with an edit
     word ("great, but swap steps 2 and 3"), a request softened by "only"/"just" after an
     opening word or two in a language whose verbs the cues do not know, or by an English "just"
-    before such a verb ("perfetto, solo togli ...", "perfect 👌 just log ...": `softened_request`), a
-    request that the answer itself do or be more ("love it. can it also log ...": `asks_itself`), a request for the answer again, and a
-    verdict with an edit word before moving on ("No formatting please. Moving on: ...", or a
-    contrast the message closes on: "great, now put sunday as the cleaning day not saturday",
-    "spot on. dispose of it properly though", `closing_contrast`) are never +1; and no user
+    before such a verb ("perfetto, solo togli ...", "perfect 👌 just log ...": `softened_request`),
+    a request that the answer itself do or be more ("love it. can it also log ...": `asks_itself`),
+    a request for the answer again, and a verdict with an edit word before moving on ("No
+    formatting please. Moving on: ...", or a contrast the message closes on: "great, now put
+    sunday as the cleaning day not saturday", "spot on. dispose of it properly though",
+    `closing_contrast`) are never +1; and no user
     message is +1 below `positive_floor`, cue or none, but a new question of the user's own
     (`new_question`), which is +1 from `question_floor` unless a correction leads. A message that
     opens by waving the answer away ("meh. rebuild it ...": `dismissive_opening`) or rolls its eyes
