@@ -82,7 +82,7 @@ PRAISE_GUARD = 0.95
 QUESTION_FLOOR = 0.02
 
 # The blind held-out set the judge is measured on (written blind, scored once; see its note)
-BLIND_SET = Path(__file__).resolve().parents[2] / "tests" / "data" / "judge_heldout_68.jsonl"
+BLIND_SET = Path(__file__).resolve().parents[2] / "tests" / "data" / "judge_heldout_70.jsonl"
 
 
 def cross_validate(
