@@ -727,11 +727,11 @@ def test_shipped_fit_data_and_held_out_cases_are_valid_and_disjoint():
     for number in (*range(20, 35, 2), *range(36, 43)):
         assert {case.next_state for case in load_cases(DATA / f"judge_heldout_{number}.jsonl")} <= fit_states, number
     # the fifth (spent, a regression floor), the odd twenty-first to thirty-fifth (spent: dev sets
-    # the candidates are compared on) and the forty-third to seventieth, each written blind and
+    # the candidates are compared on) and the forty-third to seventy-second, each written blind and
     # committed before any judge was scored on it: disjoint from the fit data, the reported cases
     # and each other
     seen = fit_states | reported_states
-    numbers = (21, 23, 25, 27, 29, 31, 33, 35, *range(43, 71))
+    numbers = (21, 23, 25, 27, 29, 31, 33, 35, *range(43, 73))
     for name, size in (("judge_heldout_5.jsonl", 290), *((f"judge_heldout_{n}.jsonl", 320) for n in numbers)):
         blind = load_cases(DATA / name)
         assert len(blind) >= size
@@ -1008,9 +1008,9 @@ def judge():
     return EmbedJudge.load()
 
 
-@pytest.mark.parametrize("number", [45, 55, 69])
+@pytest.mark.parametrize("number", [45, 55, 69, 72])
 async def test_blind_held_out_set_meets_the_bar(judge, number):
-    # The forty-fifth, fifty-fifth and sixty-ninth held-out sets: each written blind by a helper that saw
+    # The forty-fifth, fifty-fifth, sixty-ninth and seventy-second held-out sets: each written blind by a helper that saw
     # neither the judge code nor any other set's cases, committed before any judge was scored on
     # it, and scored once, with no correction, redo or error at +1 and accuracy >= 0.92, the
     # issue's bar. The forty-fifth by the forty-second candidate (the committee fitted on 12,077
@@ -1020,16 +1020,18 @@ async def test_blind_held_out_set_meets_the_bar(judge, number):
     # statement, and the fifty-third and fifty-fourth sets' tool cues): 308/325 = 0.948. The
     # sixty-ninth by the sixty-first, what ships (the same committee; the cues of the sixty-third to
     # sixty-eighth sets: a request for the answer again is -1, a request that the answer itself do
-    # more is never +1, contrast words in more languages, more failure signs): 303/325 = 0.932. The
-    # bar holds on these sets, not on every blind set: of the twenty-six scored blind from the
-    # forty-fifth to the seventieth, three met it, nineteen read 0.92 or more, and the others had 1
-    # to 7 at +1 (the forty-sixth 0.914 with 3, forty-seventh 0.957 with 3, forty-eighth 0.945 with
+    # more is never +1, contrast words in more languages, more failure signs): 303/325 = 0.932; the
+    # seventy-second by the same: 312/325 = 0.960. The bar holds on these sets, not on every blind
+    # set: of the twenty-eight scored blind from the forty-fifth to the seventy-second, four met it,
+    # twenty read 0.92 or more, and the others had 1 to 7 at +1 or read under 0.92 with none (the
+    # forty-sixth 0.914 with 3, forty-seventh 0.957 with 3, forty-eighth 0.945 with
     # 1, forty-ninth 0.942 with 1, fiftieth 0.926 with 1, fifty-first 0.969 with 1, fifty-second
     # 0.932 with 2, fifty-third 0.966 with 1, fifty-fourth 0.929 with 1, fifty-sixth 0.926 with 2,
     # fifty-seventh 0.948 with 1, fifty-eighth 0.951 with 1, fifty-ninth 0.935 with 1, sixtieth
     # 0.911 with 3, sixty-first 0.905 with 2, sixty-second 0.898 with 1, sixty-third 0.914 with 3,
     # sixty-fourth 0.926 with 2, sixty-fifth 0.905 with 7, sixty-sixth 0.938 with 1, sixty-seventh
-    # 0.926 with 1, sixty-eighth 0.886 with 5, seventieth 0.929 with 1, the last by what ships).
+    # 0.926 with 1, sixty-eighth 0.886 with 5, seventieth 0.929 with 1 and seventy-first 0.917 with
+    # none, the last two by what ships).
     # What ships reads the forty-fifth 305/325 and the fifty-fifth 310/325, none at +1 in either.
     report = await evaluate(judge, load_cases(DATA / f"judge_heldout_{number}.jsonl"))
     assert report["accuracy"] >= 0.92, report["misses"]
@@ -1064,8 +1066,8 @@ async def test_blind_held_out_accuracy_floor(judge):
     # 0.935 with 1, sixtieth 0.911 with 3, sixty-first 0.905 with 2, sixty-second 0.898 with 1,
     # sixty-third 0.914 with 3, sixty-fourth 0.926 with 2, sixty-fifth 0.905 with 7, sixty-sixth
     # 0.938 with 1, sixty-seventh 0.926 with 1, sixty-eighth 0.886 with 5, sixty-ninth 0.932 with
-    # none, seventieth 0.929 with 1; what ships (the committee fitted on 12,077 cases) reads this
-    # one 304/325 = 0.935 with none.
+    # none, seventieth 0.929 with 1, seventy-first 0.917 with none, seventy-second 0.960 with none;
+    # what ships (the committee fitted on 12,077 cases) reads this one 304/325 = 0.935 with none.
     assert report["accuracy"] >= 0.91, report["misses"]
     assert report["confusion"][-1][1] <= 1, report["misses"]
 
