@@ -202,20 +202,21 @@ EDIT_VERBS = (
 ).split() + _COMPARATIVES_OF_EDITS
 # "you" as people type it to the assistant, in dialects too ("could ya", "can ye")
 _YOU = r"(?:you|u|ya|ye)"
+# the emoji (symbols, dingbats, the emoji blocks) that end a clause as a stop does ("nice 👍 add ..."),
+# as characters of a regex class
+CLAUSE_EMOJI = "\u2600-\u27BF\U0001F000-\U0001FAFF"
+# the verbs a request asks the answer (or the user, or the assistant) to do or be
+_ASKED = r"(?:be|have|rhyme|sound|read|say|include|mention|use|go|start|end|track|show|list|skip|count|note|log|cover)\b"
 # a request that the answer itself do or be something ("could it include ...", "can the names be
 # bigger?", "can it also track wet nappies?"): of the 39 labelled such messages, the 31 that do not
 # move on are all corrections or change requests
-_ITSELF = (
-    r"\b(?:could|can|would|will|should) (?:it|the [\w-]+) (?:also |just |maybe )?"
-    r"(?:be|have|rhyme|sound|read|say|include|mention|use|go|start|end|track|show|list|skip|count|note|log|cover)\b"
-)
+_ITSELF = r"\b(?:could|can|would|will|should) (?:it|the [\w-]+) (?:also |just |maybe )?" + _ASKED
 _ASKS_ITSELF = re.compile(f"(?i:{_ITSELF})")
 _IMPERATIVE = re.compile(
     r"(?i:(?:^|[,.!;:\u2014\u2013-]\s*|\b(?:just|maybe|perhaps|pls|please|plz|and|but|then|(?:could|can|would|will) " + _YOU + r")\s+)"
     r"(?:" + "|".join(re.escape(verb) for verb in EDIT_VERBS) + r"|show(?!\s+(?:me|us)\b))\b"
     # ... or the user or the assistant do something of it ("could we start at 9", "can you include ...")
-    r"|\b(?:could|can|would|will|should) (?:we|" + _YOU + r") (?:also |just |maybe )?"
-    r"(?:be|have|rhyme|sound|read|say|include|mention|use|go|start|end|track|show|list|skip|count|note|log|cover)\b|" + _ITSELF +
+    r"|\b(?:could|can|would|will|should) (?:we|" + _YOU + r") (?:also |just |maybe )?" + _ASKED + "|" + _ITSELF +
     # a request form that opens a clause, or a closing "please" in the commonest languages
     r"|(?:^|[,.!;:\u2014\u2013-]\s*)(?:(?:can|could|would|will) " + _YOU + r"|pls|plz|please)\b"
     r"|\b(?:please|pls|plz|por favor|bitte|s'il (?:te|vous) pla[iî]t|per favore)\s*[.!]?\s*$"
@@ -284,7 +285,7 @@ THANKS = any_of(
 # layout. On the labelled cases 39 of the 41 such messages are change requests; the two next tasks
 # ("add paging buttons underneath") read as -1 either way.
 _PLACEMENT = re.compile(
-    r"(?i:(?:^|[,.!;:\u2600-\u27BF\U0001F000-\U0001FAFF]\s*|\b(?:just|pls|please|and|then|(?:can|could|would) (?:you|u))\s+)(?:show|put|move|add|stick|place|display|pop)\b"
+    r"(?i:(?:^|[,.!;:" + CLAUSE_EMOJI + r"]\s*|\b(?:just|pls|please|and|then|(?:can|could|would) (?:you|u))\s+)(?:show|put|move|add|stick|place|display|pop)\b"
     r"[^.!?\n]{1,40}?\b(?:under|underneath|below|above|next to|beside|on top of|(?:at|to) the (?:top|bottom|end|start)|(?:top|bottom) (?:left|right))\b)"
 )
 
@@ -368,16 +369,18 @@ def softened_request(text: str) -> str | None:
     if opening and match and match.start() >= opening.end():
         return match.group(0).strip()
     just = _JUST.search(text)
-    contrasted = just is not None and re.search(r"(?i:\bnot\s+\w+\W*$)", text[: just.start() + 1]) is not None  # "not dead, just starving"
+    contrasted = just is not None and _NOT_THIS.search(text, 0, just.start() + 1) is not None  # "not dead, just starving"
     if just and not contrasted and not just.group(1).lower().endswith("ed") and not CLOSING_QUESTION.search(text):
         return f"just {just.group(1)}"
     return None
 
 
+# "not X" right before a "just" that says what it is instead ("not dead, just starving")
+_NOT_THIS = re.compile(r"(?i:\bnot\s+\w+\W*$)")
 # "just" opening a clause (after a stop, a dash or an emoji) before a word that is no adverb,
 # pronoun or past tense: the verb of a softened request ("👍 just log the ids")
 _JUST = re.compile(
-    r"(?i:(?:[,.!;:\u2014\u2013-]|[\u2600-\u27BF\U0001F000-\U0001FAFF])\s*just\s+(?!(?:what|right|perfect|the|a|an|in|about|now|as"
+    r"(?i:(?:[,.!;:\u2014\u2013-]|[" + CLAUSE_EMOJI + r"])\s*just\s+(?!(?:what|right|perfect|the|a|an|in|about|now|as"
     r"|like|because|want|need|got|did|had|was|is|how|so|for|to|my|our|his|her|its|it|this|that|those|these|one|enough|gonna"
     r"|going|been|being|me|us|you|him|them|fine|ok|okay|great|lovely|brilliant|what's|when|where|too)\b)([a-z]+)\b)"
 )

@@ -1,6 +1,6 @@
 """The CPU judge: the committee that reads the next state (committee.py: a fine-tuned
 classifier, classifier.py, and a model of its n-grams, ngrams.py) and the decision rule over its probabilities
-(`decide`, with the textual cues of cues.py, unread.py and tool_cues.py), behind the judge protocol (`EmbedJudge`); its
+(`decide`, with the textual cues of cues.py, faults.py, moving_on.py, unread.py and tool_cues.py), behind the judge protocol (`EmbedJudge`); its
 cross-validation on the fit data and the command that reports it on labelled cases. The verdict
 is read from the next state; a committee member may read the response too, as context (what the
 next state answers: `committee.RESPONSE_READER`, not shipped), and the cues never do.

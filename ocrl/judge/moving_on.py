@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 
-from ocrl.judge.cues import CLOSING_QUESTION, THANKS, any_of
+from ocrl.judge.cues import CLAUSE_EMOJI, CLOSING_QUESTION, THANKS, any_of
 
 # Signs that the user moves on to something new rather than asking for a change: a word of
 # sequence or addition ("now", "next", "also" but not the answer's own "can it also ...", "same
@@ -29,7 +29,7 @@ _MOVES_ON = (
         r"|(?:other|different|separate|unrelated) thing(?=\s*[:,\u2014-]))\b)"
     ),
     re.compile(
-        r"(?i:(?:^|[,.!:;\u2014\u2600-\u27BF\U0001F000-\U0001FAFF]\s*)(?:(?:and|so|but|or|ok|okay) )?(how|what|where|when|why|which|who|is|are|does|do i|should|can i|could i)\b)"
+        r"(?i:(?:^|[,.!:;\u2014" + CLAUSE_EMOJI + r"]\s*)(?:(?:and|so|but|or|ok|okay) )?(how|what|where|when|why|which|who|is|are|does|do i|should|can i|could i)\b)"
     ),
     re.compile(
         r"(?i:(?:^|[,.!;:\u2014]\s*|\b(?:(?:could|can|would|will) (?:you|u)|pls|please|plz|just|and|then)\s+)\W*"
